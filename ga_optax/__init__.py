@@ -1,0 +1,11 @@
+"""ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
+
+from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulateState",
+    "accumulate",
+    "emitted",
+]

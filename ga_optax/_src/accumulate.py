@@ -1,0 +1,286 @@
+"""Gradient accumulation as an Optax ``GradientTransformation``.
+
+``accumulate`` wraps an optimizer so that k calls of ``update`` (one per
+micro-batch) add their gradients into an accumulator and emit zero updates;
+the call that closes the window hands the reduced gradient to the wrapped
+optimizer, once. The wrapped optimizer is evaluated under ``lax.cond`` only on
+that call, so on the other micro-steps it costs nothing and its counters and
+schedules do not move.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ga_optax._src import distributed, every_k as every_k_lib, validation
+
+
+class AccumulateState(NamedTuple):
+  """State of :func:`accumulate`: a plain pytree that jits and checkpoints.
+
+  Attributes:
+    micro_step: int32, micro-steps held by the open window (0 right after a
+      window closes).
+    update_step: int32, updates the inner optimizer has applied; the
+      argument of a callable or dict ``every_k``.
+    num_skipped: int32, non-finite micro-steps dropped by
+      ``skip_nonfinite=True`` over the whole run.
+    emitted: bool, whether the last ``update`` call ran the inner optimizer
+      (see :func:`emitted`).
+    weight_sum: sum of the weights of the micro-steps in the open window.
+    accumulator: sum of ``weight * grads`` over the open window, in
+      ``accumulator_dtype``, with the tree of the params.
+    inner_state: the wrapped optimizer's state.
+  """
+
+  micro_step: jax.Array
+  update_step: jax.Array
+  num_skipped: jax.Array
+  emitted: jax.Array
+  weight_sum: jax.Array
+  accumulator: optax.Updates
+  inner_state: optax.OptState
+
+
+def _increment_if(count: jax.Array, condition: jax.Array) -> jax.Array:
+  """Adds one where ``condition`` holds, saturating at the int32 maximum."""
+  limit = jnp.iinfo(count.dtype).max
+  return jnp.where(condition & (count < limit), count + 1, count)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.asarray(True)
+  return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]).all()
+
+
+def accumulate(
+    optimizer: optax.GradientTransformation,
+    every_k: every_k_lib.EveryK,
+    *,
+    reduction: str = "mean",
+    accumulator_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = False,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates gradients over ``every_k`` micro-steps, then steps ``optimizer``.
+
+  Each ``update`` call adds ``weight * grads`` to an accumulator and returns
+  zero updates, until the call that closes the window: that one reduces the
+  accumulator (``sum(w_i g_i) / sum(w_i)`` for ``"mean"``, ``sum(w_i g_i)``
+  for ``"sum"``), runs ``optimizer`` on it once, returns its updates and
+  resets the window. With ``g_i`` the gradient of micro-batch ``i``'s mean
+  loss and ``w_i`` its number of items, the emitted gradient is exactly the
+  gradient of the large batch's mean loss.
+
+  ``update`` takes, besides ``updates, state, params``:
+
+  * ``weight``: a scalar >= 0 for this micro-batch (default 1), a Python
+    number or an array, traced or not.
+  * ``flush``: a Python bool or boolean scalar; when true the window closes
+    now, normalised by what it holds. A window that holds no weight emits
+    zeros and does not step ``optimizer``.
+  * any other keyword: forwarded to ``optimizer.update`` when the window
+    closes (for example ``value=`` for ``optax.contrib.reduce_on_plateau``).
+
+  Args:
+    optimizer: the optax transformation to apply once per window: a chain,
+      a schedule, ``inject_hyperparams`` or an extra-args transformation.
+    every_k: micro-steps per window: a positive int; a jittable callable
+      mapping the applied-update count (int32 scalar) to k, where values
+      below 1 act as 1; or a dict ``{update_step: k}`` with key 0, piecewise
+      constant in the applied-update count.
+    reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
+    accumulator_dtype: floating dtype of the accumulator, for example
+      float32 accumulation of bfloat16 gradients.
+    skip_nonfinite: drop a micro-step whose gradients hold NaN or Inf
+      whole: not added, not counted toward k, and counted in
+      ``num_skipped``. With ``axis_name`` the finiteness check is global
+      (a scalar all-reduce per micro-step) so that every device drops the
+      same micro-steps.
+    axis_name: inside ``jax.shard_map`` or ``pmap``, the data-parallel axis.
+      Micro-steps accumulate device-locally with no collective; the closing
+      call sums accumulator and weights over the axis once.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    :class:`AccumulateState`.
+
+  Raises:
+    TypeError: ``optimizer`` is not a GradientTransformation, or
+      ``every_k``, ``accumulator_dtype`` or ``axis_name`` has a wrong type.
+    ValueError: ``every_k`` below 1, a bad ``every_k`` dict, or an unknown
+      ``reduction``. ``update`` raises for ``grads`` that do not match the
+      state and for a bad ``weight`` or ``flush``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> tx = ga_optax.accumulate(optax.sgd(0.1), every_k=2)
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.full(3, 1.0)}, state, params)
+    >>> updates["w"], bool(ga_optax.emitted(state))
+    (Array([0., 0., 0.], dtype=float32), False)
+    >>> updates, state = tx.update({"w": jnp.full(3, 3.0)}, state, params)
+    >>> updates["w"], bool(ga_optax.emitted(state))
+    (Array([-0.2, -0.2, -0.2], dtype=float32), True)
+  """
+  inner = validation.check_optimizer(optimizer)
+  schedule = every_k_lib.as_schedule(every_k)
+  reduction = validation.check_reduction(reduction)
+  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  axis_name = validation.check_axis_name(axis_name)
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
+  # Weight sums count tokens; bfloat16 would round them from 256 on.
+  weight_dtype = jnp.promote_types(accumulator_dtype, jnp.float32)
+
+  def init_fn(params: optax.Params) -> AccumulateState:
+    return AccumulateState(
+        micro_step=jnp.zeros((), jnp.int32),
+        update_step=jnp.zeros((), jnp.int32),
+        num_skipped=jnp.zeros((), jnp.int32),
+        emitted=jnp.zeros((), jnp.bool_),
+        weight_sum=jnp.zeros((), weight_dtype),
+        accumulator=optax.tree.zeros_like(params, dtype=accumulator_dtype),
+        inner_state=inner.init(params),
+    )
+
+  def update_fn(
+      updates: optax.Updates,
+      state: AccumulateState,
+      params: optax.Params | None = None,
+      *,
+      weight: Any = 1,
+      flush: Any = False,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, AccumulateState]:
+    grads = updates
+    validation.check_grads_match(grads, state.accumulator)
+    weight = validation.check_weight(weight)
+    flush = validation.check_flush(flush)
+
+    weighted = grads
+    if not (isinstance(weight, (int, float)) and weight == 1):
+      weight_array = jnp.asarray(weight, accumulator_dtype)
+      weighted = jax.tree.map(
+          lambda g: weight_array * g.astype(accumulator_dtype), grads
+      )
+    accumulator = jax.tree.map(
+        lambda total, g: total + g.astype(accumulator_dtype),
+        state.accumulator,
+        weighted,
+    )
+    weight_sum = state.weight_sum + jnp.asarray(weight, weight_dtype)
+    accepted = jnp.asarray(True)
+    if skip_nonfinite:
+      accepted = _all_finite(grads)
+      if axis_name is not None:
+        accepted = jax.lax.pmin(accepted.astype(jnp.int32), axis_name) > 0
+      accumulator = optax.tree.where(accepted, accumulator, state.accumulator)
+      weight_sum = jnp.where(accepted, weight_sum, state.weight_sum)
+
+    micro_step = _increment_if(state.micro_step, accepted)
+    closes = (micro_step >= schedule(state.update_step)) | flush
+
+    inner_updates_shape = jax.eval_shape(
+        lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]
+    )
+
+    def no_update(inner_state):
+      zeros = optax.tree.zeros_like(inner_updates_shape)
+      return zeros, inner_state, jnp.asarray(False)
+
+    def keep_window_open(accumulator, weight_sum, inner_state):
+      del accumulator, weight_sum
+      return no_update(inner_state)
+
+    def close_window(accumulator, weight_sum, inner_state):
+      accumulator, weight_sum = distributed.sum_across_devices(
+          (accumulator, weight_sum), axis_name
+      )
+      if reduction == "mean":
+        # The guard keeps a window without weight from computing 0 / 0; such
+        # a window does not step the inner optimizer anyway.
+        scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
+        accumulator = jax.tree.map(
+            lambda total: total * scale.astype(total.dtype), accumulator
+        )
+      reduced = jax.tree.map(
+          lambda total, g: total.astype(g.dtype), accumulator, grads
+      )
+
+      def step_inner(inner_state):
+        new_updates, new_inner_state = inner.update(
+            reduced, inner_state, params, **extra_args
+        )
+        return new_updates, new_inner_state, jnp.asarray(True)
+
+      return jax.lax.cond(weight_sum > 0, step_inner, no_update, inner_state)
+
+    new_updates, inner_state, stepped = jax.lax.cond(
+        closes,
+        close_window,
+        keep_window_open,
+        accumulator,
+        weight_sum,
+        state.inner_state,
+    )
+    new_state = AccumulateState(
+        micro_step=jnp.where(closes, 0, micro_step),
+        update_step=_increment_if(state.update_step, stepped),
+        num_skipped=_increment_if(state.num_skipped, ~accepted),
+        emitted=stepped,
+        weight_sum=jnp.where(closes, jnp.zeros_like(weight_sum), weight_sum),
+        accumulator=optax.tree.where(
+            closes, optax.tree.zeros_like(accumulator), accumulator
+        ),
+        inner_state=inner_state,
+    )
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def emitted(state: Any) -> jax.Array:
+  """Whether the last ``update`` call closed a window and applied an update.
+
+  False on micro-steps that only accumulate, and on a flush of a window that
+  held no weight (nothing is applied then).
+
+  Args:
+    state: an :class:`AccumulateState`, or any optimizer state that holds
+      exactly one, for example that of an ``optax.chain``.
+
+  Returns:
+    A bool scalar array.
+
+  Raises:
+    ValueError: ``state`` holds no :class:`AccumulateState`, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> tx = optax.chain(optax.clip(1.0), ga_optax.accumulate(optax.sgd(1.0), 1))
+    >>> params = jnp.zeros(2)
+    >>> _, state = tx.update(jnp.ones(2), tx.init(params), params)
+    >>> bool(ga_optax.emitted(state))
+    True
+  """
+  found = [
+      node
+      for node in jax.tree.leaves(
+          state, is_leaf=lambda node: isinstance(node, AccumulateState)
+      )
+      if isinstance(node, AccumulateState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+        "state must hold exactly one AccumulateState (the state of"
+        f" ga_optax.accumulate), found {len(found)}."
+    )
+  return found[0].emitted

@@ -1,0 +1,101 @@
+"""Window-length schedules: how many micro-steps each window holds.
+
+``accumulate`` takes ``every_k`` as an int, a jittable callable of the
+applied-update count, or a ``{update_step: k}`` dict. All three are normalised
+here into one jittable function ``update_step -> k`` (an int32 scalar).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+EveryKSchedule = Callable[[jax.Array], jax.Array]
+EveryK = Union[int, EveryKSchedule, Mapping[int, int]]
+
+
+def _is_python_int(value: object) -> bool:
+  # bool is an int subclass, but `every_k=True` is always a mistake.
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_positive_int(value: object, what: str) -> int:
+  if not _is_python_int(value):
+    raise TypeError(
+        f"{what} must be a positive int, got {value!r} of type"
+        f" {type(value).__name__}."
+    )
+  if int(value) < 1:  # type: ignore[call-overload]
+    raise ValueError(f"{what} must be a positive int (>= 1), got {value!r}.")
+  return int(value)  # type: ignore[call-overload]
+
+
+def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
+  if not schedule:
+    raise ValueError(
+        "every_k as a dict must map applied-update counts to k, with key 0;"
+        " got an empty dict."
+    )
+  for start in schedule:
+    if not _is_python_int(start) or int(start) < 0:
+      raise ValueError(
+          "every_k dict keys must be non-negative ints (applied-update"
+          f" counts), got key {start!r}."
+      )
+  if 0 not in schedule:
+    raise ValueError(
+        "every_k dict must contain key 0 (the k of the first window), got"
+        f" keys {sorted(schedule)}."
+    )
+  starts = sorted(int(start) for start in schedule)
+  ks = [
+      _check_positive_int(schedule[start], f"every_k[{start}]")
+      for start in starts
+  ]
+  starts_array = np.asarray(starts, dtype=np.int32)
+  ks_array = np.asarray(ks, dtype=np.int32)
+
+  def every_k_of(update_step: jax.Array) -> jax.Array:
+    piece = jnp.searchsorted(starts_array, update_step, side="right") - 1
+    return jnp.asarray(ks_array)[piece]
+
+  return every_k_of
+
+
+def _checked_callable(schedule: EveryKSchedule) -> EveryKSchedule:
+  result = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+  shape = getattr(result, "shape", None)
+  dtype = getattr(result, "dtype", None)
+  if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(
+        "every_k as a callable must map the applied-update count (an int32"
+        " scalar) to an integer scalar k; it returned"
+        f" {result!r}. Wrap the result in jnp.asarray(..., jnp.int32)."
+    )
+
+  def every_k_of(update_step: jax.Array) -> jax.Array:
+    return jnp.asarray(schedule(update_step), jnp.int32)
+
+  return every_k_of
+
+
+def as_schedule(every_k: EveryK) -> EveryKSchedule:
+  """Returns a jittable ``update_step -> k`` for any accepted ``every_k``.
+
+  Raises:
+    TypeError: ``every_k`` is of a type that is not accepted, or a callable
+      that does not return an integer scalar.
+    ValueError: ``every_k`` is an int below 1, or a dict that is empty, lacks
+      key 0, or maps to a k below 1.
+  """
+  if isinstance(every_k, Mapping):
+    return _piecewise_constant(every_k)
+  if callable(every_k):
+    return _checked_callable(every_k)
+  k = _check_positive_int(every_k, "every_k")
+  return lambda update_step: jnp.asarray(k, jnp.int32)

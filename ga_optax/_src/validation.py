@@ -1,0 +1,137 @@
+"""Argument checks that turn bad input into errors that name the argument.
+
+Everything here runs at construction or at trace time, so a mistake surfaces
+as a ``TypeError``/``ValueError`` on the first call rather than as a deep JAX
+trace error or, worse, a silently wrong accumulation.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+REDUCTIONS = ("mean", "sum")
+
+
+def check_optimizer(optimizer: Any) -> optax.GradientTransformationExtraArgs:
+  """Returns ``optimizer`` as one that accepts (and may ignore) extra args."""
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise TypeError(
+        "optimizer must be an optax.GradientTransformation (for example"
+        f" optax.adamw(1e-3)), got {type(optimizer).__name__}."
+    )
+  return optax.with_extra_args_support(optimizer)
+
+
+def check_reduction(reduction: Any) -> str:
+  if reduction not in REDUCTIONS:
+    raise ValueError(
+        f"reduction must be one of {REDUCTIONS}, got {reduction!r}."
+    )
+  return reduction
+
+
+def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype:
+  try:
+    dtype = jnp.dtype(accumulator_dtype)
+  except TypeError as error:
+    raise TypeError(
+        "accumulator_dtype must be a floating dtype such as jnp.float32, got"
+        f" {accumulator_dtype!r}."
+    ) from error
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        "accumulator_dtype must be a floating dtype such as jnp.float32, got"
+        f" {dtype}: an integer or boolean accumulator cannot hold gradients."
+    )
+  return dtype
+
+
+def check_axis_name(axis_name: Any) -> Any:
+  if axis_name is None or isinstance(axis_name, (str, tuple)):
+    return axis_name
+  raise TypeError(
+      "axis_name must be None, a mesh axis name (str) or a tuple of names,"
+      f" got {axis_name!r}."
+  )
+
+
+def check_grads_match(grads: Any, accumulator: Any) -> None:
+  """Checks that ``grads`` has the tree and leaf shapes of the accumulator."""
+  grads_tree = jax.tree.structure(grads)
+  accumulator_tree = jax.tree.structure(accumulator)
+  if grads_tree != accumulator_tree:
+    raise ValueError(
+        "grads must have the tree structure of the params given to"
+        f" tx.init; expected {accumulator_tree}, got {grads_tree}."
+    )
+  grads_with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+  for (path, grad), slot in zip(grads_with_paths, jax.tree.leaves(accumulator)):
+    if jnp.shape(grad) != jnp.shape(slot):
+      raise ValueError(
+          f"grads leaf {jax.tree_util.keystr(path)} has shape"
+          f" {jnp.shape(grad)}, but the accumulator (from tx.init) has shape"
+          f" {jnp.shape(slot)}."
+      )
+
+
+def check_weight(weight: Any) -> jax.Array | float:
+  """Checks a micro-batch weight; concrete values must be finite and >= 0.
+
+  A traced weight cannot be inspected; its value is the caller's promise.
+  """
+  if isinstance(weight, bool) or (
+      hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
+  ):
+    raise TypeError(
+        "weight must be a real number (for example the micro-batch's token"
+        f" count), got a boolean {weight!r}."
+    )
+  if isinstance(weight, numbers.Real):
+    value = float(weight)
+  else:
+    if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
+      raise TypeError(
+          "weight must be a real scalar (a Python number or a 0-d array),"
+          f" got {type(weight).__name__}."
+      )
+    if jnp.shape(weight) != ():
+      raise ValueError(
+          "weight must be a scalar (one weight per micro-batch), got shape"
+          f" {jnp.shape(weight)}. Sum per-example weights first."
+      )
+    if not (
+        jnp.issubdtype(weight.dtype, jnp.integer)
+        or jnp.issubdtype(weight.dtype, jnp.floating)
+    ):
+      raise TypeError(
+          f"weight must have a real numeric dtype, got {weight.dtype}."
+      )
+    if isinstance(weight, jax.core.Tracer):
+      return weight
+    value = float(np.asarray(weight))
+  if not np.isfinite(value) or value < 0:
+    raise ValueError(
+        f"weight must be finite and >= 0 (a count or a share), got {value}."
+    )
+  return weight
+
+
+def check_flush(flush: Any) -> Any:
+  if isinstance(flush, bool):
+    return flush
+  if (
+      hasattr(flush, "dtype")
+      and jnp.shape(flush) == ()
+      and jnp.dtype(flush.dtype) == jnp.bool_
+  ):
+    return flush
+  raise TypeError(
+      "flush must be a Python bool or a boolean scalar array, got"
+      f" {flush!r}."
+  )

@@ -1,6 +1,7 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
 
 from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
+from ga_optax._src.microbatch import microbatched_value_and_grad
 
 __version__ = "0.1.0"
 
@@ -8,4 +9,5 @@ __all__ = [
     "AccumulateState",
     "accumulate",
     "emitted",
+    "microbatched_value_and_grad",
 ]

@@ -342,3 +342,69 @@ def test_policy_without_remat_is_named():
     ga_optax.microbatched_value_and_grad(
       _mean_loss, 2, checkpoint_policy=jax.checkpoint_policies.dots_saveable
     )
+
+
+def _mlp_params(width: int = 128, depth: int = 3):
+  keys = jax.random.split(jax.random.PRNGKey(4), depth)
+  return [
+    jax.random.normal(key, (width, width)) / jnp.sqrt(width) for key in keys
+  ]
+
+
+def _mlp_loss(params, batch):
+  hidden = batch["x"]
+  for weight in params:
+    hidden = jax.nn.gelu(hidden @ weight)
+  return jnp.mean((hidden.sum(-1) - batch["y"]) ** 2)
+
+
+def _mlp_batch(size: int, width: int = 128):
+  keys = jax.random.split(jax.random.PRNGKey(5), 2)
+  return {
+    "x": jax.random.normal(keys[0], (size, width)),
+    "y": jax.random.normal(keys[1], (size,)),
+  }
+
+
+@pytest.mark.parametrize(
+  "policy",
+  [
+    None,
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.nothing_saveable,
+  ],
+)
+def test_remat_gives_the_same_gradients_and_applies_the_policy(policy):
+  params, batch = _mlp_params(width=16), _mlp_batch(8, width=16)
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    _mlp_loss, 4, remat=True, checkpoint_policy=policy
+  )
+  chex.assert_trees_all_close(
+    jax.jit(value_and_grad)(params, batch),
+    ga_optax.microbatched_value_and_grad(_mlp_loss, 4)(params, batch),
+    rtol=1e-5,
+    atol=1e-6,
+  )
+  closed = jax.make_jaxpr(value_and_grad)(params, batch)
+  (scan_eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+  remats = [
+    eqn
+    for eqn in scan_eqn.params["jaxpr"].jaxpr.eqns
+    if "policy" in eqn.params and "prevent_cse" in eqn.params
+  ]
+  assert len(remats) == 1
+  assert remats[0].params["policy"] is policy
+
+
+def _temp_bytes(fn, *args) -> int:
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_sixteen_microbatches_use_well_under_a_third_of_the_memory():
+  params, batch = _mlp_params(), _mlp_batch(512)
+  full = _temp_bytes(jax.value_and_grad(_mlp_loss), params, batch)
+  micro = _temp_bytes(
+    ga_optax.microbatched_value_and_grad(_mlp_loss, 16), params, batch
+  )
+  assert micro < full / 3, (micro, full)

@@ -97,14 +97,22 @@ def test_uniform_micro_batches_match_the_large_batch(name, k):
   ) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam_schedule", "clip_adamw"])
-@pytest.mark.parametrize("use_jit", [True, False])
-def test_variable_size_micro_batches_weighted_by_size(name, use_jit):
+@pytest.mark.parametrize(
+    ("name", "use_jit", "num_windows"),
+    [
+        ("sgd_momentum", True, NUM_WINDOWS),
+        ("adam_schedule", True, NUM_WINDOWS),
+        ("clip_adamw", True, NUM_WINDOWS),
+        # Eager dispatch is slow; two windows already exercise every path.
+        ("clip_adamw", False, 2),
+    ],
+)
+def test_variable_size_micro_batches_weighted_by_size(name, use_jit, num_windows):
   assert_equivalent_to_large_batch(
       mean_loss,
       OPTIMIZERS[name],
       init_params(),
-      make_batches(NUM_WINDOWS),
+      make_batches(num_windows),
       [3, 9, 1, 11],
       rtol=2e-5,
       use_jit=use_jit,
@@ -249,7 +257,7 @@ def test_non_finite_micro_steps_are_skipped(name):
 HYPOTHESIS_BATCH = 12
 
 
-@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.settings(max_examples=15, deadline=None)
 @hypothesis.given(
     name=st.sampled_from(["sgd_momentum", "adam_schedule"]),
     k=st.integers(1, 5),

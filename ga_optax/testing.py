@@ -160,6 +160,14 @@ def compare_with_large_batch(
   batches = list(batches)
   if not batches:
     raise ValueError("batches must hold at least one large batch, got none.")
+  batch_size = _leading_size(batches[0])
+  for batch in batches:
+    if _leading_size(batch) != batch_size:
+      raise ValueError(
+          "batches must all have the same size, got"
+          f" {_leading_size(batch)} and {batch_size}."
+      )
+  bounds = _microbatch_bounds(batch_size, microbatch_sizes)
   if weight_fn is None:
     weight_fn = _leading_size if reduction == "mean" else (lambda _: 1)
   maybe_jit = jax.jit if use_jit else (lambda fn: fn)
@@ -176,7 +184,6 @@ def compare_with_large_batch(
         large_batch_params, opt_state, batch
     )
 
-  bounds = _microbatch_bounds(_leading_size(batches[0]), microbatch_sizes)
   tx = accumulate(optimizer, len(bounds), reduction=reduction)
 
   @maybe_jit

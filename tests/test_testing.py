@@ -17,15 +17,17 @@ def loss_fn(params, batch):
 
 PARAMS = {"w": jnp.zeros(3), "b": jnp.zeros(())}
 BATCHES = [
-    {"x": jax.random.normal(key, (12, 3)), "y": jnp.arange(12.0) / 12}
-    for key in jax.random.split(jax.random.key(0), 3)
+  {"x": jax.random.normal(key, (12, 3)), "y": jnp.arange(12.0) / 12}
+  for key in jax.random.split(jax.random.key(0), 3)
 ]
 
 
 def test_max_relative_difference_is_per_leaf_and_relative():
   expected = {"a": jnp.array([100.0, 0.0]), "b": jnp.array([1.0])}
   actual = {"a": jnp.array([101.0, 0.0]), "b": jnp.array([1.02])}
-  assert testing.max_relative_difference(actual, expected) == pytest.approx(0.02)
+  assert testing.max_relative_difference(actual, expected) == pytest.approx(
+    0.02
+  )
   assert testing.max_relative_difference(expected, expected) == 0.0
 
 
@@ -37,7 +39,7 @@ def test_max_relative_difference_rejects_other_trees():
 @pytest.mark.parametrize("use_jit", [True, False])
 def test_compare_returns_both_runs(use_jit):
   result = testing.compare_with_large_batch(
-      loss_fn, optax.sgd(0.1), PARAMS, BATCHES, 3, use_jit=use_jit
+    loss_fn, optax.sgd(0.1), PARAMS, BATCHES, 3, use_jit=use_jit
   )
   assert result.max_relative_difference < 1e-6
   # The large-batch run is what three plain SGD steps give.
@@ -47,7 +49,7 @@ def test_compare_returns_both_runs(use_jit):
     params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
   for name in params:
     np.testing.assert_allclose(
-        result.large_batch_params[name], params[name], rtol=1e-6
+      result.large_batch_params[name], params[name], rtol=1e-6
     )
 
 
@@ -56,7 +58,7 @@ def test_assert_raises_when_the_runs_differ():
   # batch's mean.
   with pytest.raises(AssertionError, match="max relative difference"):
     testing.assert_equivalent_to_large_batch(
-        loss_fn, optax.sgd(0.1), PARAMS, BATCHES, [1, 11], weight_fn=lambda b: 1
+      loss_fn, optax.sgd(0.1), PARAMS, BATCHES, [1, 11], weight_fn=lambda b: 1
     )
 
 
@@ -65,14 +67,16 @@ def test_sum_reduction_uses_unit_weights():
     return jnp.sum((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
 
   testing.assert_equivalent_to_large_batch(
-      sum_loss, optax.sgd(0.01), PARAMS, BATCHES, [5, 7], reduction="sum"
+    sum_loss, optax.sgd(0.01), PARAMS, BATCHES, [5, 7], reduction="sum"
   )
 
 
 @pytest.mark.parametrize("sizes", [5, 0, [4, 4], [6, 0, 6], [13, -1]])
 def test_bad_microbatch_sizes(sizes):
   with pytest.raises(ValueError, match="microbatch_sizes"):
-    testing.compare_with_large_batch(loss_fn, optax.sgd(0.1), PARAMS, BATCHES, sizes)
+    testing.compare_with_large_batch(
+      loss_fn, optax.sgd(0.1), PARAMS, BATCHES, sizes
+    )
 
 
 def test_no_batches():
@@ -83,4 +87,6 @@ def test_no_batches():
 def test_batches_with_unequal_leading_sizes():
   batch = {"x": jnp.ones((4, 3)), "y": jnp.ones(5)}
   with pytest.raises(ValueError, match="share one leading"):
-    testing.compare_with_large_batch(loss_fn, optax.sgd(0.1), PARAMS, [batch], 2)
+    testing.compare_with_large_batch(
+      loss_fn, optax.sgd(0.1), PARAMS, [batch], 2
+    )

@@ -1,0 +1,84 @@
+"""Data-parallel accumulation on 8 simulated CPU devices.
+
+The checks live in tests/multi_device_cases.py and run in a fresh process
+each, because this process imported jax with a single device and the device
+count is fixed at import.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ga_optax
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = Path(__file__).resolve().parent / "multi_device_cases.py"
+
+
+def run_on_8_devices(*args: str, timeout: float = 300) -> str:
+  """Runs a Python script on 8 simulated CPU devices; returns its stdout."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(
+    filter(
+      None,
+      [
+        env.get("XLA_FLAGS", ""),
+        "--xla_force_host_platform_device_count=8",
+      ],
+    )
+  )
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
+  )
+  result = subprocess.run(
+    [sys.executable, *args],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
+  assert result.returncode == 0, (
+    f"{' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+  )
+  return result.stdout
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    "shard_map",
+    "token_weights",
+    "pmap",
+    "hlo_accumulate",
+    "sharded_state",
+  ],
+)
+def test_multi_device_case(case):
+  run_on_8_devices(str(CASES), case)
+
+
+@pytest.mark.skipif(
+  not hasattr(ga_optax, "microbatched_value_and_grad"),
+  reason="microbatched_value_and_grad is not in this build",
+)
+def test_microbatched_value_and_grad_reduces_after_the_scan():
+  run_on_8_devices(str(CASES), "hlo_microbatched")
+
+
+def test_data_parallel_example_runs_tiny():
+  output = run_on_8_devices(
+    str(ROOT / "examples" / "data_parallel.py"),
+    "--epochs=1",
+    "--microbatch=4",
+    "--accumulation-steps=2",
+    "--hidden=16",
+  )
+  assert "| deferred" in output, output

@@ -54,6 +54,7 @@ _BYTES_PER_ELEMENT = {
 }  # fmt: skip
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _SINGLE_CALLEE = re.compile(
   r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
@@ -152,7 +153,8 @@ def _closing_paren(text: str, open_index: int) -> int:
 
 
 def _parse_instruction(line: str) -> HloInstruction | None:
-  line = line.strip()
+  # Long operand and tuple lists carry /*index=5*/ markers.
+  line = _COMMENT.sub("", line).strip()
   if line.startswith("ROOT "):
     line = line[len("ROOT ") :]
   if " = " not in line or not line.startswith("%"):

@@ -54,6 +54,7 @@ _BYTES_PER_ELEMENT = {
 }  # fmt: skip
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _SINGLE_CALLEE = re.compile(
@@ -75,6 +76,8 @@ class HloInstruction(NamedTuple):
     operands: names of the operand instructions, in order.
     callees: computations it calls (fusions, branches, loop bodies,
       reducers), in the order printed.
+    trip_count: for a ``while`` whose trip count XLA knows (a ``lax.scan``),
+      that count; otherwise None.
   """
 
   name: str
@@ -82,6 +85,7 @@ class HloInstruction(NamedTuple):
   shape: str
   operands: tuple[str, ...]
   callees: tuple[str, ...]
+  trip_count: int | None = None
 
 
 class HloModule(NamedTuple):
@@ -176,8 +180,14 @@ def _parse_instruction(line: str) -> HloInstruction | None:
   callees = list(_SINGLE_CALLEE.findall(attributes))
   for listed in _CALLEE_LIST.findall(attributes):
     callees.extend(callee.strip().lstrip("%") for callee in listed.split(","))
+  trip_count = _TRIP_COUNT.search(attributes)
   return HloInstruction(
-    name.lstrip("%"), opcode, shape, operands, tuple(callees)
+    name.lstrip("%"),
+    opcode,
+    shape,
+    operands,
+    tuple(callees),
+    int(trip_count.group(1)) if trip_count else None,
   )
 
 

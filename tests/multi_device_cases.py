@@ -401,6 +401,18 @@ def check_sharded_params_and_state() -> None:
   # without out_shardings would put them on one device.
   state = tx.init(params)
   assert_same_shardings(state.accumulator, params)
+  # Under jit, optax.tree_map_params gives the state's shardings: the
+  # params' for params-shaped leaves, replicated for counters.
+  state_shardings = optax.tree_map_params(
+    tx,
+    lambda _, param: param.sharding,
+    jax.eval_shape(tx.init, params),
+    params,
+    transform_non_params=lambda _: NamedSharding(mesh, P()),
+  )
+  jitted_state = jax.jit(tx.init, out_shardings=state_shardings)(params)
+  assert_same_shardings(jitted_state.accumulator, params)
+  assert_same_shardings(jitted_state.inner_state[0].mu, params)
 
   def step(params, state, x, y):
     grads = jax.grad(loss_fn)(params, x, y)

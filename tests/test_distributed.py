@@ -8,6 +8,7 @@ count is fixed at import.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,15 @@ def test_multi_device_case(case):
 
 def test_microbatched_value_and_grad_reduces_after_the_scan():
   run_on_8_devices(str(CASES), "hlo_microbatched")
+
+
+def test_data_parallel_how_to_runs(tmp_path):
+  """The page's code blocks, run in order as one script, as a reader would."""
+  page = (ROOT / "docs" / "how-to" / "data-parallel.md").read_text()
+  script = tmp_path / "data_parallel_page.py"
+  script.write_text("\n".join(re.findall(r"```python\n(.*?)```", page, re.S)))
+  output = run_on_8_devices(str(script))
+  assert output.split() == ["3", "1", "P('data',", "'model')"], output
 
 
 def test_data_parallel_example_runs_tiny():

@@ -32,8 +32,8 @@ OPTIMIZER = optax.adam(0.05)
 def initial_params() -> dict[str, np.ndarray]:
   rng = np.random.default_rng(0)
   return {
-      "hidden": rng.normal(size=(4, 6)).astype(np.float32) / 2,
-      "out": rng.normal(size=(6, 1)).astype(np.float32) / 2,
+    "hidden": rng.normal(size=(4, 6)).astype(np.float32) / 2,
+    "out": rng.normal(size=(6, 1)).astype(np.float32) / 2,
   }
 
 
@@ -59,10 +59,10 @@ def micro_step_rows(micro_step: int, device: int) -> slice:
 def main(process_id: int, port: int, output: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{port}",
-      num_processes=NUM_PROCESSES,
-      process_id=process_id,
-      initialization_timeout=60,
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=NUM_PROCESSES,
+    process_id=process_id,
+    initialization_timeout=60,
   )
   # Local imports: ga_optax must not touch devices before initialize.
   from jax.sharding import Mesh, NamedSharding
@@ -79,13 +79,13 @@ def main(process_id: int, port: int, output: str) -> None:
     return optax.apply_updates(params, updates), state
 
   step = jax.jit(
-      jax.shard_map(
-          device_step,
-          mesh=mesh,
-          in_specs=(P(), P(), P("data"), P("data")),
-          out_specs=(P(), P()),
-          check_vma=False,
-      )
+    jax.shard_map(
+      device_step,
+      mesh=mesh,
+      in_specs=(P(), P(), P("data"), P("data")),
+      out_specs=(P(), P()),
+      check_vma=False,
+    )
   )
   replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P("data"))
@@ -93,18 +93,18 @@ def main(process_id: int, port: int, output: str) -> None:
   def global_replicated(tree):
     # Every process passes the same host values; each keeps its own copies.
     return jax.tree.map(
-        lambda leaf: jax.make_array_from_process_local_data(
-            replicated, np.asarray(leaf)
-        ),
-        tree,
+      lambda leaf: jax.make_array_from_process_local_data(
+        replicated, np.asarray(leaf)
+      ),
+      tree,
     )
 
   params = global_replicated(initial_params())
   state = global_replicated(tx.init(initial_params()))
   # Global device d lives in process d // DEVICES_PER_PROCESS.
   local_devices = [
-      process_id * DEVICES_PER_PROCESS + local
-      for local in range(DEVICES_PER_PROCESS)
+    process_id * DEVICES_PER_PROCESS + local
+    for local in range(DEVICES_PER_PROCESS)
   ]
   x_windows, y_windows = windows()
   for x_window, y_window in zip(x_windows, y_windows, strict=True):
@@ -113,19 +113,19 @@ def main(process_id: int, port: int, output: str) -> None:
       x_local = np.concatenate([x_window[r] for r in rows])
       y_local = np.concatenate([y_window[r] for r in rows])
       params, state = step(
-          params,
-          state,
-          jax.make_array_from_process_local_data(batch_sharding, x_local),
-          jax.make_array_from_process_local_data(batch_sharding, y_local),
+        params,
+        state,
+        jax.make_array_from_process_local_data(batch_sharding, x_local),
+        jax.make_array_from_process_local_data(batch_sharding, y_local),
       )
   local_params = jax.tree.map(
-      lambda leaf: np.asarray(leaf.addressable_data(0)), params
+    lambda leaf: np.asarray(leaf.addressable_data(0)), params
   )
   np.savez(
-      output,
-      update_step=np.asarray(state.update_step.addressable_data(0)),
-      num_devices=jax.device_count(),
-      **local_params,
+    output,
+    update_step=np.asarray(state.update_step.addressable_data(0)),
+    num_devices=jax.device_count(),
+    **local_params,
   )
   jax.distributed.shutdown()
 

@@ -49,24 +49,24 @@ def single_process_large_batch() -> dict[str, np.ndarray]:
 def run_processes(tmp_path: Path) -> list[dict[str, np.ndarray]]:
   env = dict(os.environ)
   env["XLA_FLAGS"] = (
-      f"--xla_force_host_platform_device_count={worker.DEVICES_PER_PROCESS}"
+    f"--xla_force_host_platform_device_count={worker.DEVICES_PER_PROCESS}"
   )
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(
-      filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
+    filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
   )
   port = free_port()
   outputs = [tmp_path / f"process_{i}.npz" for i in range(worker.NUM_PROCESSES)]
   processes = [
-      subprocess.Popen(
-          [sys.executable, str(WORKER), str(i), str(port), str(output)],
-          env=env,
-          cwd=ROOT,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          text=True,
-      )
-      for i, output in enumerate(outputs)
+    subprocess.Popen(
+      [sys.executable, str(WORKER), str(i), str(port), str(output)],
+      env=env,
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i, output in enumerate(outputs)
   ]
   logs = []
   try:
@@ -86,7 +86,7 @@ def test_two_processes_match_a_single_process_large_batch(tmp_path):
   expected = single_process_large_batch()
   for result in results:
     assert int(result.pop("num_devices")) == (
-        worker.NUM_PROCESSES * worker.DEVICES_PER_PROCESS
+      worker.NUM_PROCESSES * worker.DEVICES_PER_PROCESS
     )
     assert int(result.pop("update_step")) == worker.NUM_WINDOWS
     chex.assert_trees_all_close(result, expected, rtol=1e-5, atol=1e-6)

@@ -7,9 +7,9 @@ from ga_optax._src.microbatch import microbatched_value_and_grad
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccumulateState",
-    "accumulate",
-    "combine_batch_stats",
-    "emitted",
-    "microbatched_value_and_grad",
+  "AccumulateState",
+  "accumulate",
+  "combine_batch_stats",
+  "emitted",
+  "microbatched_value_and_grad",
 ]

@@ -340,9 +340,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     "large batch": large_batch_run(loss, args),
     "naive (mean of means)": naive_run,
     "accumulate(weight=)": weighted_run,
+    "microbatched(weight_fn=)": microbatched_run(loss, args),
   }
-  if hasattr(ga_optax, "microbatched_value_and_grad"):
-    runs["microbatched(weight_fn=)"] = microbatched_run(loss, args)
 
   params = dict.fromkeys(runs, initial_params)
   opt_states = {

@@ -261,7 +261,7 @@ def plot(
     ("C1", "--", 1.5),
     ("C2", ":", 2.0),
   ]
-  for name, (color, line, width) in zip(losses, styles, strict=False):
+  for name, (color, line, width) in zip(losses, styles, strict=True):
     style = {"color": color, "linestyle": line, "linewidth": width}
     loss_axes.plot(losses[name], label=name, **style)
     if name in distances:

@@ -408,3 +408,35 @@ def test_sixteen_microbatches_use_well_under_a_third_of_the_memory():
     ga_optax.microbatched_value_and_grad(_mlp_loss, 16), params, batch
   )
   assert micro < full / 3, (micro, full)
+
+
+def test_rng_differs_across_devices_of_the_axis():
+  def dropout_loss(params, batch, *, rng):
+    keep = jax.random.bernoulli(rng, 0.5, batch["x"].shape)
+    return jnp.mean(jnp.where(keep, batch["x"] * params["w"], 0.0)), keep
+
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    dropout_loss, 2, has_aux=True, axis_name="data"
+  )
+  key = jax.random.PRNGKey(3)
+  (_, masks), _ = jax.vmap(
+    lambda batch: value_and_grad({"w": jnp.ones(8)}, batch, rng=key),
+    axis_name="data",
+  )({"x": jnp.ones((2, 4, 8))})
+  assert masks.shape == (2, 2, 2, 8)
+  expected = jnp.stack(
+    [
+      jnp.stack(
+        [
+          jax.random.bernoulli(
+            jax.random.fold_in(jax.random.fold_in(key, device), index),
+            0.5,
+            (2, 8),
+          )
+          for index in range(2)
+        ]
+      )
+      for device in range(2)
+    ]
+  )
+  chex.assert_trees_all_equal(masks, expected)

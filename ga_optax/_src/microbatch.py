@@ -119,8 +119,9 @@ def microbatched_value_and_grad(
 
   ``args`` and ``kwargs`` are passed unchanged to every call of ``fun``. When
   ``rng`` is given, ``fun`` receives ``rng=jax.random.fold_in(rng, i)`` for
-  micro-batch ``i``: each micro-batch draws its own dropout masks, and the
-  result depends only on ``rng``.
+  micro-batch ``i`` (with ``axis_name``, ``rng`` is first folded with the
+  device's ``axis_index``): each micro-batch draws its own dropout masks, and
+  the result depends only on ``rng``.
 
   Args:
     fun: ``fun(params, microbatch, *args, **kwargs)`` returning a scalar loss,
@@ -205,6 +206,9 @@ def microbatched_value_and_grad(
     params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
   ) -> Any:
     microbatches = split_microbatches(batch, num_microbatches)
+    if rng is not None and axis_name is not None:
+      # Devices hold different data: they must not share dropout masks.
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
 
     def step(carry, xs):
       grad_sum, value_sum, weight_sum = carry

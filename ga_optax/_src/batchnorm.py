@@ -79,8 +79,8 @@ def combine_batch_stats(stacked_stats: Any, momentum: float) -> Any:
     >>> # Two micro-batches, means 1 and 3, variances 1 and 1, from r = 0, 1.
     >>> stacked = {"bn": {"mean": jnp.array([[0.1], [0.3]]),
     ...                   "var": jnp.array([[1.0], [1.0]])}}
-    >>> merged = ga_optax.combine_batch_stats(stacked, momentum=0.9)
-    >>> merged["bn"]["mean"], merged["bn"]["var"]
+    >>> layer = ga_optax.combine_batch_stats(stacked, momentum=0.9)["bn"]
+    >>> layer["mean"], layer["var"]
     (Array([0.2], dtype=float32), Array([1.1], dtype=float32))
   """
   if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):

@@ -210,7 +210,7 @@ def microbatched_value_and_grad(
       # Devices hold different data: they must not share dropout masks.
       rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
 
-    def step(carry, xs):
+    def accumulate_microbatch(carry, xs):
       grad_sum, value_sum, weight_sum = carry
       index, microbatch = xs
       call_kwargs = dict(kwargs)
@@ -252,7 +252,7 @@ def microbatched_value_and_grad(
     )
     indices = jnp.arange(num_microbatches, dtype=jnp.int32)
     (grad_sum, value_sum, weight_sum), aux = jax.lax.scan(
-      step, initial, (indices, microbatches)
+      accumulate_microbatch, initial, (indices, microbatches)
     )
     grad_sum, value_sum, weight_sum = distributed.sum_across_devices(
       (grad_sum, value_sum, weight_sum), axis_name

@@ -85,6 +85,38 @@ def test_linen_running_stats_match_one_large_batch(momentum, num_microbatches):
   chex.assert_trees_all_equal_shapes_and_dtypes(merged, batch_stats)
 
 
+def test_deeper_layer_stats_are_the_batch_stats_of_its_inputs():
+  # BatchNorm_1's inputs depend on per-micro-batch normalisation upstream;
+  # the merge must give the exact (biased) statistics of those inputs over
+  # the whole batch, with the momentum applied once.
+  momentum = 0.9
+  model, params, batch_stats = _linen_setup(momentum)
+
+  def loss_fn(params, batch, batch_stats):
+    predictions, state = model.apply(
+      {"params": params, "batch_stats": batch_stats},
+      batch["x"],
+      train=True,
+      mutable=["batch_stats", "intermediates"],
+      capture_intermediates=lambda module, _: module.name == "Dense_1",
+    )
+    loss = jnp.mean((predictions - batch["y"]) ** 2)
+    (norm_inputs,) = state["intermediates"]["Dense_1"]["__call__"]
+    return loss, (state["batch_stats"], norm_inputs)
+
+  (_, (stacked, norm_inputs)), _ = jax.jit(
+    ga_optax.microbatched_value_and_grad(loss_fn, 4, has_aux=True)
+  )(params, _data(), batch_stats)
+  merged = ga_optax.combine_batch_stats(stacked, momentum)["BatchNorm_1"]
+  inputs = norm_inputs.reshape(BATCH, -1)
+  start = batch_stats["BatchNorm_1"]
+  expected = {
+    "mean": momentum * start["mean"] + (1 - momentum) * inputs.mean(0),
+    "var": momentum * start["var"] + (1 - momentum) * inputs.var(0),
+  }
+  chex.assert_trees_all_close(merged, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_averaging_variances_alone_misses_the_between_term():
   model, params, batch_stats = _linen_setup(0.9)
   loss_fn = _linen_loss(model)

@@ -168,8 +168,13 @@ def accumulate(
     weighted = grads
     if not (isinstance(weight, (int, float)) and weight == 1):
       weight_array = jnp.asarray(weight, accumulator_dtype)
+      # A micro-batch of weight 0 (all padding, say) must add nothing, even
+      # though the gradient of its mean loss is 0 / 0 = NaN: 0 * NaN is NaN.
       weighted = jax.tree.map(
-          lambda g: weight_array * g.astype(accumulator_dtype), grads
+          lambda g: jnp.where(
+              weight_array == 0, 0, weight_array * g.astype(accumulator_dtype)
+          ),
+          grads,
       )
     accumulator = jax.tree.map(
         lambda total, g: total + g.astype(accumulator_dtype),

@@ -166,6 +166,12 @@ def accumulate(
       **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
     grads = updates
+    if not isinstance(state, AccumulateState):
+      raise TypeError(
+          "state must be the AccumulateState made by this transformation's"
+          " init (or restored into its structure), got"
+          f" {type(state).__name__}."
+      )
     validation.check_grads_match(grads, state.accumulator)
     weight = validation.check_weight(weight)
     flush = validation.check_flush(flush)

@@ -62,7 +62,7 @@ def check_axis_name(axis_name: Any) -> Any:
 
 
 def check_grads_match(grads: Any, accumulator: Any) -> None:
-  """Checks that ``grads`` has the tree and leaf shapes of the accumulator."""
+  """Checks that ``grads`` has the accumulator's tree and shapes, in floats."""
   grads_tree = jax.tree.structure(grads)
   accumulator_tree = jax.tree.structure(accumulator)
   if grads_tree != accumulator_tree:
@@ -72,6 +72,15 @@ def check_grads_match(grads: Any, accumulator: Any) -> None:
     )
   grads_with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
   for (path, grad), slot in zip(grads_with_paths, jax.tree.leaves(accumulator)):
+    # Integer, boolean or complex gradients would be cast silently (the mean
+    # truncated to an integer); a Python scalar has no dtype to keep.
+    dtype = getattr(grad, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"grads leaf {jax.tree_util.keystr(path)} must be a floating-point"
+          f" array, got {type(grad).__name__}"
+          + (f" of dtype {dtype}." if dtype is not None else ".")
+      )
     if jnp.shape(grad) != jnp.shape(slot):
       raise ValueError(
           f"grads leaf {jax.tree_util.keystr(path)} has shape"

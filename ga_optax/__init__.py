@@ -5,7 +5,7 @@ from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccumulateState",
-    "accumulate",
-    "emitted",
+  "AccumulateState",
+  "accumulate",
+  "emitted",
 ]

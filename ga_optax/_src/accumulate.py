@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src import distributed, every_k as every_k_lib, validation
+from ga_optax._src import distributed, validation
+from ga_optax._src import every_k as every_k_lib
 
 
 class AccumulateState(NamedTuple):
@@ -60,13 +61,13 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def accumulate(
-    optimizer: optax.GradientTransformation,
-    every_k: every_k_lib.EveryK,
-    *,
-    reduction: str = "mean",
-    accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool = False,
-    axis_name: Any = None,
+  optimizer: optax.GradientTransformation,
+  every_k: every_k_lib.EveryK,
+  *,
+  reduction: str = "mean",
+  accumulator_dtype: Any = jnp.float32,
+  skip_nonfinite: bool = False,
+  axis_name: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` micro-steps, then steps ``optimizer``.
 
@@ -147,30 +148,30 @@ def accumulate(
 
   def init_fn(params: optax.Params) -> AccumulateState:
     return AccumulateState(
-        micro_step=jnp.zeros((), jnp.int32),
-        update_step=jnp.zeros((), jnp.int32),
-        num_skipped=jnp.zeros((), jnp.int32),
-        emitted=jnp.zeros((), jnp.bool_),
-        weight_sum=jnp.zeros((), weight_dtype),
-        accumulator=optax.tree.zeros_like(params, dtype=accumulator_dtype),
-        inner_state=inner.init(params),
+      micro_step=jnp.zeros((), jnp.int32),
+      update_step=jnp.zeros((), jnp.int32),
+      num_skipped=jnp.zeros((), jnp.int32),
+      emitted=jnp.zeros((), jnp.bool_),
+      weight_sum=jnp.zeros((), weight_dtype),
+      accumulator=optax.tree.zeros_like(params, dtype=accumulator_dtype),
+      inner_state=inner.init(params),
     )
 
   def update_fn(
-      updates: optax.Updates,
-      state: AccumulateState,
-      params: optax.Params | None = None,
-      *,
-      weight: Any = 1,
-      flush: Any = False,
-      **extra_args: Any,
+    updates: optax.Updates,
+    state: AccumulateState,
+    params: optax.Params | None = None,
+    *,
+    weight: Any = 1,
+    flush: Any = False,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
     grads = updates
     if not isinstance(state, AccumulateState):
       raise TypeError(
-          "state must be the AccumulateState made by this transformation's"
-          " init (or restored into its structure), got"
-          f" {type(state).__name__}."
+        "state must be the AccumulateState made by this transformation's"
+        " init (or restored into its structure), got"
+        f" {type(state).__name__}."
       )
     validation.check_grads_match(grads, state.accumulator)
     weight = validation.check_weight(weight)
@@ -182,15 +183,15 @@ def accumulate(
       # A micro-batch of weight 0 (all padding, say) must add nothing, even
       # though the gradient of its mean loss is 0 / 0 = NaN: 0 * NaN is NaN.
       weighted = jax.tree.map(
-          lambda g: jnp.where(
-              weight_array == 0, 0, weight_array * g.astype(accumulator_dtype)
-          ),
-          grads,
+        lambda g: jnp.where(
+          weight_array == 0, 0, weight_array * g.astype(accumulator_dtype)
+        ),
+        grads,
       )
     accumulator = jax.tree.map(
-        lambda total, g: total + g.astype(accumulator_dtype),
-        state.accumulator,
-        weighted,
+      lambda total, g: total + g.astype(accumulator_dtype),
+      state.accumulator,
+      weighted,
     )
     weight_sum = state.weight_sum + jnp.asarray(weight, weight_dtype)
     accepted = jnp.asarray(True)
@@ -205,7 +206,7 @@ def accumulate(
     closes = (micro_step >= schedule(state.update_step)) | flush
 
     inner_updates_shape = jax.eval_shape(
-        lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]
+      lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]
     )
 
     def no_update(inner_state):
@@ -218,45 +219,45 @@ def accumulate(
 
     def close_window(accumulator, weight_sum, inner_state):
       accumulator, weight_sum = distributed.sum_across_devices(
-          (accumulator, weight_sum), axis_name
+        (accumulator, weight_sum), axis_name
       )
       if reduction == "mean":
         # The guard keeps a window without weight from computing 0 / 0; such
         # a window does not step the inner optimizer anyway.
         scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
         accumulator = jax.tree.map(
-            lambda total: total * scale.astype(total.dtype), accumulator
+          lambda total: total * scale.astype(total.dtype), accumulator
         )
       reduced = jax.tree.map(
-          lambda total, g: total.astype(g.dtype), accumulator, grads
+        lambda total, g: total.astype(g.dtype), accumulator, grads
       )
 
       def step_inner(inner_state):
         new_updates, new_inner_state = inner.update(
-            reduced, inner_state, params, **extra_args
+          reduced, inner_state, params, **extra_args
         )
         return new_updates, new_inner_state, jnp.asarray(True)
 
       return jax.lax.cond(weight_sum > 0, step_inner, no_update, inner_state)
 
     new_updates, inner_state, stepped = jax.lax.cond(
-        closes,
-        close_window,
-        keep_window_open,
-        accumulator,
-        weight_sum,
-        state.inner_state,
+      closes,
+      close_window,
+      keep_window_open,
+      accumulator,
+      weight_sum,
+      state.inner_state,
     )
     new_state = AccumulateState(
-        micro_step=jnp.where(closes, 0, micro_step),
-        update_step=_increment_if(state.update_step, stepped),
-        num_skipped=_increment_if(state.num_skipped, ~accepted),
-        emitted=stepped,
-        weight_sum=jnp.where(closes, jnp.zeros_like(weight_sum), weight_sum),
-        accumulator=optax.tree.where(
-            closes, optax.tree.zeros_like(accumulator), accumulator
-        ),
-        inner_state=inner_state,
+      micro_step=jnp.where(closes, 0, micro_step),
+      update_step=_increment_if(state.update_step, stepped),
+      num_skipped=_increment_if(state.num_skipped, ~accepted),
+      emitted=stepped,
+      weight_sum=jnp.where(closes, jnp.zeros_like(weight_sum), weight_sum),
+      accumulator=optax.tree.where(
+        closes, optax.tree.zeros_like(accumulator), accumulator
+      ),
+      inner_state=inner_state,
     )
     return new_updates, new_state
 
@@ -288,15 +289,15 @@ def emitted(state: Any) -> jax.Array:
     True
   """
   found = [
-      node
-      for node in jax.tree.leaves(
-          state, is_leaf=lambda node: isinstance(node, AccumulateState)
-      )
-      if isinstance(node, AccumulateState)
+    node
+    for node in jax.tree.leaves(
+      state, is_leaf=lambda node: isinstance(node, AccumulateState)
+    )
+    if isinstance(node, AccumulateState)
   ]
   if len(found) != 1:
     raise ValueError(
-        "state must hold exactly one AccumulateState (the state of"
-        f" ga_optax.accumulate), found {len(found)}."
+      "state must hold exactly one AccumulateState (the state of"
+      f" ga_optax.accumulate), found {len(found)}."
     )
   return found[0].emitted

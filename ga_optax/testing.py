@@ -1,0 +1,280 @@
+"""Equivalence checks that users can run on their own model, optimizer and data.
+
+Gradient accumulation is only worth having if it trains the same model as the
+large batch would. :func:`compare_with_large_batch` trains twice from the same
+parameters, once on each large batch and once on its micro-batches through
+:func:`ga_optax.accumulate`, and reports how far apart the results are;
+:func:`assert_equivalent_to_large_batch` turns that into an assertion for a
+test suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ga_optax._src.accumulate import accumulate
+
+LossFn = Callable[[optax.Params, Any], jax.Array]
+
+
+class EquivalenceResult(NamedTuple):
+  """What :func:`compare_with_large_batch` measured.
+
+  Attributes:
+    max_relative_difference: the largest, over parameter leaves, of
+      ``max|accumulated - large_batch| / max(max|large_batch|, tiny)``.
+    large_batch_params: parameters after one optimizer step per large batch.
+    accumulated_params: parameters after accumulating the same batches.
+  """
+
+  max_relative_difference: float
+  large_batch_params: optax.Params
+  accumulated_params: optax.Params
+
+
+def max_relative_difference(actual: Any, expected: Any) -> float:
+  """The largest per-leaf relative difference between two pytrees.
+
+  Each leaf contributes ``max|actual - expected| / max|expected|`` (with the
+  denominator kept away from zero), computed in float64 on the host.
+
+  Args:
+    actual: a pytree of arrays.
+    expected: a pytree of arrays with the same structure and shapes.
+
+  Returns:
+    A Python float; 0.0 for identical trees.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from ga_optax.testing import max_relative_difference
+    >>> difference = max_relative_difference(
+    ...     {"w": jnp.array([1.0, 2.5])}, {"w": jnp.array([1.0, 2.0])}
+    ... )
+    >>> difference
+    0.25
+  """
+  actual_tree: Any = jax.tree.structure(actual)
+  expected_tree: Any = jax.tree.structure(expected)
+  if actual_tree != expected_tree:
+    raise ValueError(
+      "actual and expected must have the same tree structure, got"
+      f" {actual_tree} and {expected_tree}."
+    )
+  worst = 0.0
+  for actual_leaf, expected_leaf in zip(
+    jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+  ):
+    actual_values = np.asarray(actual_leaf, dtype=np.float64)
+    expected_values = np.asarray(expected_leaf, dtype=np.float64)
+    if actual_values.size == 0:
+      continue
+    scale = max(float(np.max(np.abs(expected_values))), np.finfo(float).tiny)
+    difference = float(np.max(np.abs(actual_values - expected_values)))
+    worst = max(worst, difference / scale)
+  return worst
+
+
+def _leading_size(batch: Any) -> int:
+  sizes = {jnp.shape(leaf)[0] for leaf in jax.tree.leaves(batch)}
+  if len(sizes) != 1:
+    raise ValueError(
+      "every leaf of a batch must share one leading (batch) axis, got"
+      f" leading sizes {sorted(sizes)}."
+    )
+  return sizes.pop()
+
+
+def _rows(batch: Any, start: int, end: int) -> Any:
+  return jax.tree.map(lambda leaf: leaf[start:end], batch)
+
+
+def _microbatch_bounds(
+  batch_size: int, microbatch_sizes: int | Sequence[int]
+) -> list[tuple[int, int]]:
+  if isinstance(microbatch_sizes, int):
+    if microbatch_sizes < 1 or batch_size % microbatch_sizes:
+      raise ValueError(
+        "microbatch_sizes as an int is the number of equal micro-batches"
+        f" and must divide the batch size {batch_size}, got"
+        f" {microbatch_sizes}."
+      )
+    size = batch_size // microbatch_sizes
+    sizes = [size] * microbatch_sizes
+  else:
+    sizes = [int(size) for size in microbatch_sizes]
+    if any(size < 1 for size in sizes) or sum(sizes) != batch_size:
+      raise ValueError(
+        "microbatch_sizes must be positive and add up to the batch size"
+        f" {batch_size}, got {list(microbatch_sizes)}."
+      )
+  ends = np.cumsum(sizes)
+  return [
+    (int(end - size), int(end)) for size, end in zip(sizes, ends, strict=True)
+  ]
+
+
+def compare_with_large_batch(
+  loss_fn: LossFn,
+  optimizer: optax.GradientTransformation,
+  params: optax.Params,
+  batches: Iterable[Any],
+  microbatch_sizes: int | Sequence[int],
+  *,
+  weight_fn: Callable[[Any], Any] | None = None,
+  reduction: str = "mean",
+  use_jit: bool = True,
+) -> EquivalenceResult:
+  """Trains with and without accumulation and measures the difference.
+
+  For each large batch, the reference takes one ``optimizer`` step on
+  ``jax.grad(loss_fn)(params, batch)``; the accumulated run splits the same
+  batch into micro-batches and feeds them, one ``update`` call each, to
+  ``ga_optax.accumulate(optimizer, len(micro-batches))``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar``, the mean (or, with
+      ``reduction="sum"``, the sum) of the batch's per-item losses.
+    optimizer: the optax transformation to compare.
+    params: initial parameters, shared by both runs.
+    batches: large batches, pytrees whose leaves share a leading axis; each
+      is one window.
+    microbatch_sizes: the number of equal micro-batches, or their sizes (the
+      same split for every batch).
+    weight_fn: ``weight_fn(microbatch) -> scalar`` passed as ``weight=``.
+      Defaults to the micro-batch's item count for ``"mean"`` and to 1 for
+      ``"sum"``, which is exact for mean and sum losses respectively.
+    reduction: the ``reduction`` of :func:`ga_optax.accumulate`.
+    use_jit: run both training loops under ``jax.jit``.
+
+  Returns:
+    An :class:`EquivalenceResult`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from ga_optax.testing import compare_with_large_batch
+    >>> def loss_fn(w, batch):
+    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> batch = {"x": jnp.arange(12.0).reshape(6, 2) / 10, "y": jnp.ones(6)}
+    >>> result = compare_with_large_batch(
+    ...     loss_fn, optax.adam(0.1), jnp.zeros(2), [batch, batch], [1, 2, 3])
+    >>> result.max_relative_difference < 1e-5
+    True
+  """
+  batches = list(batches)
+  if not batches:
+    raise ValueError("batches must hold at least one large batch, got none.")
+  batch_size = _leading_size(batches[0])
+  for batch in batches:
+    if _leading_size(batch) != batch_size:
+      raise ValueError(
+        "batches must all have the same size, got"
+        f" {_leading_size(batch)} and {batch_size}."
+      )
+  bounds = _microbatch_bounds(batch_size, microbatch_sizes)
+  if weight_fn is None:
+    weight_fn = _leading_size if reduction == "mean" else (lambda _: 1)
+  maybe_jit = jax.jit if use_jit else (lambda fn: fn)
+
+  @maybe_jit
+  def large_batch_step(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  large_batch_params, opt_state = params, optimizer.init(params)
+  for batch in batches:
+    large_batch_params, opt_state = large_batch_step(
+      large_batch_params, opt_state, batch
+    )
+
+  tx = accumulate(optimizer, len(bounds), reduction=reduction)
+
+  @maybe_jit
+  def micro_step(params, tx_state, microbatch, weight):
+    grads = jax.grad(loss_fn)(params, microbatch)
+    updates, tx_state = tx.update(grads, tx_state, params, weight=weight)
+    return optax.apply_updates(params, updates), tx_state
+
+  accumulated_params, tx_state = params, tx.init(params)
+  for batch in batches:
+    for start, end in bounds:
+      microbatch = _rows(batch, start, end)
+      accumulated_params, tx_state = micro_step(
+        accumulated_params, tx_state, microbatch, weight_fn(microbatch)
+      )
+
+  return EquivalenceResult(
+    max_relative_difference=max_relative_difference(
+      accumulated_params, large_batch_params
+    ),
+    large_batch_params=large_batch_params,
+    accumulated_params=accumulated_params,
+  )
+
+
+def assert_equivalent_to_large_batch(
+  loss_fn: LossFn,
+  optimizer: optax.GradientTransformation,
+  params: optax.Params,
+  batches: Iterable[Any],
+  microbatch_sizes: int | Sequence[int],
+  *,
+  rtol: float = 1e-5,
+  weight_fn: Callable[[Any], Any] | None = None,
+  reduction: str = "mean",
+  use_jit: bool = True,
+) -> EquivalenceResult:
+  """Asserts that accumulation reproduces large-batch training within ``rtol``.
+
+  Runs :func:`compare_with_large_batch` with the same arguments.
+
+  Args:
+    loss_fn: see :func:`compare_with_large_batch`.
+    optimizer: see :func:`compare_with_large_batch`.
+    params: see :func:`compare_with_large_batch`.
+    batches: see :func:`compare_with_large_batch`.
+    microbatch_sizes: see :func:`compare_with_large_batch`.
+    rtol: the largest acceptable ``max_relative_difference``.
+    weight_fn: see :func:`compare_with_large_batch`.
+    reduction: see :func:`compare_with_large_batch`.
+    use_jit: see :func:`compare_with_large_batch`.
+
+  Returns:
+    The :class:`EquivalenceResult`, for further checks.
+
+  Raises:
+    AssertionError: the runs differ by more than ``rtol``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from ga_optax.testing import assert_equivalent_to_large_batch
+    >>> def loss_fn(w, batch):
+    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> batch = {"x": jnp.arange(16.0).reshape(8, 2) / 10, "y": jnp.ones(8)}
+    >>> _ = assert_equivalent_to_large_batch(
+    ...     loss_fn, optax.sgd(0.1, momentum=0.9), jnp.zeros(2), [batch] * 3, 4)
+  """
+  result = compare_with_large_batch(
+    loss_fn,
+    optimizer,
+    params,
+    batches,
+    microbatch_sizes,
+    weight_fn=weight_fn,
+    reduction=reduction,
+    use_jit=use_jit,
+  )
+  if not result.max_relative_difference <= rtol:
+    raise AssertionError(
+      "accumulated training differs from large-batch training: max"
+      f" relative difference {result.max_relative_difference:.3g} >"
+      f" rtol {rtol:.3g}."
+    )
+  return result

@@ -26,6 +26,15 @@ import ga_optax
 RUN_SCRIPT = pathlib.Path(checkpoint_run.__file__)
 
 
+def _subprocess_env() -> dict[str, str]:
+  env = dict(os.environ)
+  repository = str(pathlib.Path(ga_optax.__file__).parent.parent)
+  env["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [repository, env.get("PYTHONPATH")])
+  )
+  return env
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory: pytest.TempPathFactory):
   """Saves the run after every micro-step; returns the root and final state."""
@@ -81,11 +90,7 @@ def test_restored_state_keeps_dtypes(saved_run):
 
 def test_every_position_resumes_bit_identically_in_a_new_process(saved_run):
   root, _, _ = saved_run
-  env = dict(os.environ)
-  repository = str(pathlib.Path(ga_optax.__file__).parent.parent)
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [repository, env.get("PYTHONPATH")])
-  )
+  env = _subprocess_env()
   completed = subprocess.run(
     [sys.executable, str(RUN_SCRIPT), str(root)],
     capture_output=True,
@@ -113,3 +118,25 @@ def test_resuming_in_this_process_matches_too(saved_run):
   wrong = checkpoint_run.run(params, state, 7, checkpoint_run.NUM_MICRO_STEPS)
   with pytest.raises(AssertionError):
     chex.assert_trees_all_equal(wrong, reference)
+
+
+def test_data_parallel_checkpoints_resume_only_from_window_boundaries(
+  tmp_path: pathlib.Path,
+):
+  # Documented in docs/how-to/checkpointing.md: with axis_name the open
+  # window's partial sums differ per device, and orbax saves one replica.
+  env = _subprocess_env()
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+  )
+  env["JAX_PLATFORMS"] = "cpu"
+  completed = subprocess.run(
+    [sys.executable, str(RUN_SCRIPT), "data-parallel", str(tmp_path)],
+    capture_output=True,
+    text=True,
+    env=env,
+    check=False,
+  )
+  assert completed.returncode == 0, completed.stderr[-4000:]
+  equal = json.loads(completed.stdout.strip().splitlines()[-1])
+  assert equal == {"boundary": True, "mid_window": False}

@@ -9,8 +9,8 @@ once per window on the large batch's gradient, within each dtype's rounding,
 and every update must have the dtype and shape of the gradients.
 
 ``GA_OPTAX_FUZZ_EXAMPLES`` scales the number of examples (default: a small
-number that keeps this module fast); the search is derandomised so that CI
-runs the same examples every time.
+number that keeps this module fast). The default search is derandomised so
+that CI runs the same examples every time; a scaled-up run draws at random.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def _settings(default_examples: int) -> hypothesis.settings:
   return hypothesis.settings(
     max_examples=EXAMPLES or default_examples,
     deadline=None,
-    derandomize=True,
+    # CI runs the same examples every time; a scaled-up run explores.
+    derandomize=EXAMPLES is None,
     database=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
   )

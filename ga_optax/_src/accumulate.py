@@ -94,6 +94,14 @@ def accumulate(
   * any other keyword: forwarded to ``optimizer.update`` when the window
     closes (for example ``value=`` for ``optax.contrib.reduce_on_plateau``).
 
+  Under ``jax.vmap`` (several models trained side by side) the window's
+  ``lax.cond`` gets a batched predicate and becomes a select: both branches
+  run on every micro-step, so each micro-step pays for a full step of
+  ``optimizer`` plus a select over its state and updates, as
+  ``optax.MultiSteps`` always does. The results are unchanged, even for
+  models whose windows are out of phase. Under ``jit``, ``pmap`` and
+  ``jax.shard_map`` the predicate is a scalar and only one branch runs.
+
   Args:
     optimizer: the optax transformation to apply once per window: a chain,
       a schedule, ``inject_hyperparams`` or an extra-args transformation.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import chex
@@ -141,7 +142,9 @@ def _reduce(items: list[Any], reduction: str, dtype_of: Any) -> Any:
   stacked = jax.tree.map(lambda *parts: np.concatenate(parts), *items)
 
   def reduce(values: np.ndarray, dtype: str) -> jax.Array:
-    with np.errstate(invalid="ignore"):
+    # An empty micro-batch's mean is NaN, as in a model: expected here.
+    with warnings.catch_warnings(), np.errstate(invalid="ignore"):
+      warnings.simplefilter("ignore", RuntimeWarning)
       total = values.mean(0) if reduction == "mean" else values.sum(0)
     return jnp.asarray(total.astype(np.float32), dtype)
 

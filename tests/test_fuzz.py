@@ -231,3 +231,64 @@ def test_adam_equals_the_large_batch_step(plan):
   # Adam divides by the gradient's magnitude, which amplifies rounding where
   # a mean cancels to nearly zero; positive items keep it well conditioned.
   _check_equivalence(plan, optax.adam(LEARNING_RATE), positive=True)
+
+
+@_settings(default_examples=10)
+@hypothesis.given(plans(), st.data())
+def test_skipped_nonfinite_micro_steps_leave_no_trace(plan, data):
+  params = jax.tree.map(
+    lambda spec: jnp.zeros(spec.shape, spec.dtype), plan.spec, is_leaf=_is_leaf
+  )
+  poisonable = [
+    index for index, leaf in enumerate(jax.tree.leaves(params)) if leaf.size > 0
+  ]
+  hypothesis.assume(poisonable)
+  tx = ga_optax.accumulate(
+    optax.adam(LEARNING_RATE), plan.every_k, skip_nonfinite=True
+  )
+  update = jax.jit(
+    lambda grads, state, weight: tx.update(grads, state, params, weight=weight)
+  )
+  dtypes = _dtypes(plan)
+  clean = [
+    (_reduce([items], "mean", dtypes), jnp.asarray(size, plan.weight_dtype))
+    for window, window_items in zip(
+      plan.windows, _items(plan, positive=False), strict=True
+    )
+    for size, items in zip(window, window_items, strict=True)
+  ]
+  poisoned = list(clean)
+  num_poisoned = data.draw(st.integers(1, 3))
+  treedef = jax.tree.structure(clean[0][0])
+  for _ in range(num_poisoned):
+    position = data.draw(st.integers(0, len(poisoned)))
+    leaf_index = data.draw(st.sampled_from(poisonable))
+    value = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    leaves = [jnp.ones_like(leaf) for leaf in jax.tree.leaves(clean[0][0])]
+    leaves[leaf_index] = jnp.full_like(leaves[leaf_index], value)
+    poisoned.insert(
+      position,
+      (jax.tree.unflatten(treedef, leaves), jnp.asarray(1, plan.weight_dtype)),
+    )
+
+  def run(stream):
+    state = tx.init(params)
+    emitted_updates = []
+    for grads, weight in stream:
+      updates, state = update(grads, state, weight)
+      chex.assert_trees_all_equal_shapes_and_dtypes(updates, grads)
+      if bool(ga_optax.emitted(state)):
+        emitted_updates.append(updates)
+    return emitted_updates, state
+
+  clean_updates, clean_state = run(clean)
+  poisoned_updates, poisoned_state = run(poisoned)
+  # Empty micro-batches (NaN mean) are skipped in both streams alike.
+  assert int(poisoned_state.num_skipped) == (
+    int(clean_state.num_skipped) + num_poisoned
+  )
+  chex.assert_trees_all_equal(poisoned_updates, clean_updates)
+  chex.assert_trees_all_equal(
+    poisoned_state._replace(num_skipped=clean_state.num_skipped, emitted=True),
+    clean_state._replace(emitted=True),
+  )

@@ -1,11 +1,18 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
 
 from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
+from ga_optax._src.batchnorm import combine_batch_stats
+from ga_optax._src.flax_utils import applied_updates, apply_gradients
+from ga_optax._src.microbatch import microbatched_value_and_grad
 
 __version__ = "0.1.0"
 
 __all__ = [
   "AccumulateState",
   "accumulate",
+  "applied_updates",
+  "apply_gradients",
+  "combine_batch_stats",
   "emitted",
+  "microbatched_value_and_grad",
 ]

@@ -38,6 +38,9 @@ def check_reduction(reduction: Any) -> str:
 
 def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype:
   try:
+    # jnp.dtype(None) is the default float dtype; None here is a mistake.
+    if accumulator_dtype is None:
+      raise TypeError
     dtype = jnp.dtype(accumulator_dtype)
   except TypeError as error:
     raise TypeError(

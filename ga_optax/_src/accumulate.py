@@ -82,12 +82,26 @@ def accumulate(
   ``update`` takes, besides ``updates, state, params``:
 
   * ``weight``: a scalar >= 0 for this micro-batch (default 1), a Python
-    number or an array, traced or not.
+    number or an array of any integer or floating dtype, traced or not. A
+    micro-step of weight 0 adds nothing, even where its gradient is NaN (the
+    mean loss of an all-padding micro-batch); it counts toward k unless
+    ``skip_nonfinite`` drops it. A concrete weight is checked; a traced one
+    cannot be and is used as given, so a negative traced weight subtracts
+    its micro-batch. A window whose weights sum to 0 or less emits zeros and
+    does not step ``optimizer``.
   * ``flush``: a Python bool or boolean scalar; when true the window closes
     now, normalised by what it holds. A window that holds no weight emits
     zeros and does not step ``optimizer``.
   * any other keyword: forwarded to ``optimizer.update`` when the window
     closes (for example ``value=`` for ``optax.contrib.reduce_on_plateau``).
+
+  Under ``jax.vmap`` (several models trained side by side) the window's
+  ``lax.cond`` gets a batched predicate and becomes a select: both branches
+  run on every micro-step, so each micro-step pays for a full step of
+  ``optimizer`` plus a select over its state and updates, as
+  ``optax.MultiSteps`` always does. The results are unchanged, even for
+  models whose windows are out of phase. Under ``jit``, ``pmap`` and
+  ``jax.shard_map`` the predicate is a scalar and only one branch runs.
 
   Args:
     optimizer: the optax transformation to apply once per window: a chain,
@@ -162,6 +176,12 @@ def accumulate(
     **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
     grads = updates
+    if not isinstance(state, AccumulateState):
+      raise TypeError(
+        "state must be the AccumulateState made by this transformation's"
+        " init (or restored into its structure), got"
+        f" {type(state).__name__}."
+      )
     validation.check_grads_match(grads, state.accumulator)
     weight = validation.check_weight(weight)
     flush = validation.check_flush(flush)
@@ -169,8 +189,13 @@ def accumulate(
     weighted = grads
     if not (isinstance(weight, (int, float)) and weight == 1):
       weight_array = jnp.asarray(weight, accumulator_dtype)
+      # A micro-batch of weight 0 (all padding, say) must add nothing, even
+      # though the gradient of its mean loss is 0 / 0 = NaN: 0 * NaN is NaN.
       weighted = jax.tree.map(
-        lambda g: weight_array * g.astype(accumulator_dtype), grads
+        lambda g: jnp.where(
+          weight_array == 0, 0, weight_array * g.astype(accumulator_dtype)
+        ),
+        grads,
       )
     accumulator = jax.tree.map(
       lambda total, g: total + g.astype(accumulator_dtype),

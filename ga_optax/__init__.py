@@ -1,11 +1,14 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
 
 from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
+from ga_optax._src.fused import FusedAccumulation, accumulate_and_apply
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateState",
+    "FusedAccumulation",
     "accumulate",
+    "accumulate_and_apply",
     "emitted",
 ]

@@ -77,15 +77,18 @@ def _zeros_if(condition: jax.Array, tree: Any) -> Any:
 
 
 def _window_functions(
-  inner: optax.GradientTransformationExtraArgs,
-  schedule: every_k_lib.EveryKSchedule,
+  optimizer: optax.GradientTransformation,
+  every_k: every_k_lib.EveryK,
   *,
   reduction: str,
   accumulator_dtype: Any,
   skip_nonfinite: bool,
   axis_name: Any,
 ) -> tuple[Callable[..., AccumulateState], Callable[..., Any]]:
-  """The init function and the micro-step shared by every accumulation API.
+  """Checks the arguments; returns the init function and the micro-step.
+
+  Shared by :func:`accumulate` and the fused path, so both take the same
+  arguments, raise the same errors and keep the same state.
 
   The micro-step returns the updates (``apply_to_params=False``, the
   ``GradientTransformation`` path) or, for the fused path, the new params
@@ -97,8 +100,15 @@ def _window_functions(
   inner state (and, fused, the params) as operands that the open branch
   hands back untouched, so XLA aliases them with no copy; the accumulator is
   zeroed after the conditional by :func:`_zeros_if`, ordered after it
-  through the ``closed`` flag that the conditional returns.
+  through the ``stepped`` flag that the conditional returns.
   """
+  inner = validation.check_optimizer(optimizer)
+  schedule = every_k_lib.as_schedule(every_k)
+  reduction = validation.check_reduction(reduction)
+  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  axis_name = validation.check_axis_name(axis_name)
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
   # Weight sums count tokens; bfloat16 would round them from 256 on.
   weight_dtype = jnp.promote_types(accumulator_dtype, jnp.float32)
 
@@ -127,22 +137,37 @@ def _window_functions(
     weight = validation.check_weight(weight)
     flush = validation.check_flush(flush)
 
-    accumulator = jax.tree.map(
-      lambda total, g: total + _weighted(g, weight, accumulator_dtype),
-      state.accumulator,
-      grads,
-    )
     weight_sum = state.weight_sum + jnp.asarray(weight, weight_dtype)
     accepted = jnp.asarray(True)
     if skip_nonfinite:
       accepted = _all_finite(grads)
       if axis_name is not None:
         accepted = jax.lax.pmin(accepted.astype(jnp.int32), axis_name) > 0
-      accumulator = optax.tree.where(accepted, accumulator, state.accumulator)
       weight_sum = jnp.where(accepted, weight_sum, state.weight_sum)
 
     micro_step = _increment_if(state.micro_step, accepted)
     closes = (micro_step >= schedule(state.update_step)) | flush
+    # Without a device axis the window's weight is known here, so an empty
+    # window (a flush with no weight) takes the open branch and the closing
+    # branch needs no nested conditional (which would need its own output
+    # buffers); the mean is also formed here, by the same loop that adds the
+    # gradient, so the optimizer reads it from the accumulator's buffer.
+    local = axis_name is None
+    steps = closes & (weight_sum > 0) if local else closes
+    scale = jnp.ones((), accumulator_dtype)
+    if local and reduction == "mean":
+      scale = jnp.where(steps, 1.0 / jnp.where(steps, weight_sum, 1.0), 1.0)
+      scale = scale.astype(accumulator_dtype)
+
+    def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
+      total = total + _weighted(grad, weight, accumulator_dtype)
+      if local and reduction == "mean":
+        total = total * scale
+      return total
+
+    accumulator = jax.tree.map(add_grad, state.accumulator, grads)
+    if skip_nonfinite:
+      accumulator = optax.tree.where(accepted, accumulator, state.accumulator)
 
     inner_updates_shape = jax.eval_shape(
       lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]
@@ -158,18 +183,18 @@ def _window_functions(
 
     def keep_window_open(params, accumulator, inner_state):
       del accumulator
-      return (*unchanged(params, inner_state), jnp.asarray(False))
+      return unchanged(params, inner_state)
 
     def close_window(params, accumulator, inner_state):
       accumulator, total_weight = distributed.sum_across_devices(
         (accumulator, weight_sum), axis_name
       )
-      if reduction == "mean":
+      if not local and reduction == "mean":
         # The guard keeps a window without weight from computing 0 / 0; such
         # a window does not step the inner optimizer anyway.
-        scale = 1.0 / jnp.where(total_weight > 0, total_weight, 1.0)
+        device_scale = 1.0 / jnp.where(total_weight > 0, total_weight, 1.0)
         accumulator = jax.tree.map(
-          lambda total: total * scale.astype(total.dtype), accumulator
+          lambda total: total * device_scale.astype(total.dtype), accumulator
         )
       reduced = jax.tree.map(
         lambda total, g: total.astype(g.dtype), accumulator, grads
@@ -183,13 +208,16 @@ def _window_functions(
           new_updates = optax.apply_updates(params, new_updates)
         return new_updates, new_inner_state, jnp.asarray(True)
 
-      stepped = jax.lax.cond(
+      if local:
+        return step_inner(params, inner_state)
+      # Only here is the window's total weight known: a nested conditional
+      # (with its own output buffers) keeps an empty window from stepping.
+      return jax.lax.cond(
         total_weight > 0, step_inner, unchanged, params, inner_state
       )
-      return (*stepped, jnp.asarray(True))
 
-    output, inner_state, stepped, closed = jax.lax.cond(
-      closes,
+    output, inner_state, stepped = jax.lax.cond(
+      steps,
       close_window,
       keep_window_open,
       params,
@@ -202,7 +230,9 @@ def _window_functions(
       num_skipped=_increment_if(state.num_skipped, ~accepted),
       emitted=stepped,
       weight_sum=jnp.where(closes, jnp.zeros_like(weight_sum), weight_sum),
-      accumulator=_zeros_if(closed, accumulator),
+      # `stepped` implies `closes`; reading it orders the zeroing after the
+      # conditional's last read of the accumulator, so both share a buffer.
+      accumulator=_zeros_if(closes | stepped, accumulator),
       inner_state=inner_state,
     )
     return output, new_state
@@ -289,16 +319,9 @@ def accumulate(
     >>> updates["w"], bool(ga_optax.emitted(state))
     (Array([-0.2, -0.2, -0.2], dtype=float32), True)
   """
-  inner = validation.check_optimizer(optimizer)
-  schedule = every_k_lib.as_schedule(every_k)
-  reduction = validation.check_reduction(reduction)
-  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
-  axis_name = validation.check_axis_name(axis_name)
-  if not isinstance(skip_nonfinite, bool):
-    raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
   init_fn, window_step = _window_functions(
-    inner,
-    schedule,
+    optimizer,
+    every_k,
     reduction=reduction,
     accumulator_dtype=accumulator_dtype,
     skip_nonfinite=skip_nonfinite,

@@ -27,7 +27,6 @@ import os
 import pathlib
 import platform
 import re
-import statistics
 import sys
 import time
 from typing import Any

@@ -3,20 +3,20 @@
 from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
 from ga_optax._src.fused import FusedAccumulation, accumulate_and_apply
 from ga_optax._src.planner import (
-    MicrobatchPlan,
-    micro_step_bytes,
-    plan_microbatch,
+  MicrobatchPlan,
+  micro_step_bytes,
+  plan_microbatch,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccumulateState",
-    "FusedAccumulation",
-    "MicrobatchPlan",
-    "accumulate",
-    "accumulate_and_apply",
-    "emitted",
-    "micro_step_bytes",
-    "plan_microbatch",
+  "AccumulateState",
+  "FusedAccumulation",
+  "MicrobatchPlan",
+  "accumulate",
+  "accumulate_and_apply",
+  "emitted",
+  "micro_step_bytes",
+  "plan_microbatch",
 ]

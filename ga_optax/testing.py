@@ -54,19 +54,23 @@ def max_relative_difference(actual: Any, expected: Any) -> float:
   Example:
     >>> import jax.numpy as jnp
     >>> from ga_optax.testing import max_relative_difference
-    >>> max_relative_difference({"w": jnp.array([1.0, 2.1])},
-    ...                         {"w": jnp.array([1.0, 2.0])})
-    0.05...
+    >>> difference = max_relative_difference(
+    ...     {"w": jnp.array([1.0, 2.5])}, {"w": jnp.array([1.0, 2.0])}
+    ... )
+    >>> difference
+    0.25
   """
-  actual_leaves, actual_tree = jax.tree.flatten(actual)
-  expected_leaves, expected_tree = jax.tree.flatten(expected)
+  actual_tree: Any = jax.tree.structure(actual)
+  expected_tree: Any = jax.tree.structure(expected)
   if actual_tree != expected_tree:
     raise ValueError(
-        "actual and expected must have the same tree structure, got"
-        f" {actual_tree} and {expected_tree}."
+      "actual and expected must have the same tree structure, got"
+      f" {actual_tree} and {expected_tree}."
     )
   worst = 0.0
-  for actual_leaf, expected_leaf in zip(actual_leaves, expected_leaves):
+  for actual_leaf, expected_leaf in zip(
+    jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+  ):
     actual_values = np.asarray(actual_leaf, dtype=np.float64)
     expected_values = np.asarray(expected_leaf, dtype=np.float64)
     if actual_values.size == 0:
@@ -81,21 +85,25 @@ def _leading_size(batch: Any) -> int:
   sizes = {jnp.shape(leaf)[0] for leaf in jax.tree.leaves(batch)}
   if len(sizes) != 1:
     raise ValueError(
-        "every leaf of a batch must share one leading (batch) axis, got"
-        f" leading sizes {sorted(sizes)}."
+      "every leaf of a batch must share one leading (batch) axis, got"
+      f" leading sizes {sorted(sizes)}."
     )
   return sizes.pop()
 
 
+def _rows(batch: Any, start: int, end: int) -> Any:
+  return jax.tree.map(lambda leaf: leaf[start:end], batch)
+
+
 def _microbatch_bounds(
-    batch_size: int, microbatch_sizes: int | Sequence[int]
+  batch_size: int, microbatch_sizes: int | Sequence[int]
 ) -> list[tuple[int, int]]:
   if isinstance(microbatch_sizes, int):
     if microbatch_sizes < 1 or batch_size % microbatch_sizes:
       raise ValueError(
-          "microbatch_sizes as an int is the number of equal micro-batches"
-          f" and must divide the batch size {batch_size}, got"
-          f" {microbatch_sizes}."
+        "microbatch_sizes as an int is the number of equal micro-batches"
+        f" and must divide the batch size {batch_size}, got"
+        f" {microbatch_sizes}."
       )
     size = batch_size // microbatch_sizes
     sizes = [size] * microbatch_sizes
@@ -103,23 +111,25 @@ def _microbatch_bounds(
     sizes = [int(size) for size in microbatch_sizes]
     if any(size < 1 for size in sizes) or sum(sizes) != batch_size:
       raise ValueError(
-          "microbatch_sizes must be positive and add up to the batch size"
-          f" {batch_size}, got {list(microbatch_sizes)}."
+        "microbatch_sizes must be positive and add up to the batch size"
+        f" {batch_size}, got {list(microbatch_sizes)}."
       )
   ends = np.cumsum(sizes)
-  return [(int(end - size), int(end)) for size, end in zip(sizes, ends)]
+  return [
+    (int(end - size), int(end)) for size, end in zip(sizes, ends, strict=True)
+  ]
 
 
 def compare_with_large_batch(
-    loss_fn: LossFn,
-    optimizer: optax.GradientTransformation,
-    params: optax.Params,
-    batches: Iterable[Any],
-    microbatch_sizes: int | Sequence[int],
-    *,
-    weight_fn: Callable[[Any], Any] | None = None,
-    reduction: str = "mean",
-    use_jit: bool = True,
+  loss_fn: LossFn,
+  optimizer: optax.GradientTransformation,
+  params: optax.Params,
+  batches: Iterable[Any],
+  microbatch_sizes: int | Sequence[int],
+  *,
+  weight_fn: Callable[[Any], Any] | None = None,
+  reduction: str = "mean",
+  use_jit: bool = True,
 ) -> EquivalenceResult:
   """Trains with and without accumulation and measures the difference.
 
@@ -160,6 +170,14 @@ def compare_with_large_batch(
   batches = list(batches)
   if not batches:
     raise ValueError("batches must hold at least one large batch, got none.")
+  batch_size = _leading_size(batches[0])
+  for batch in batches:
+    if _leading_size(batch) != batch_size:
+      raise ValueError(
+        "batches must all have the same size, got"
+        f" {_leading_size(batch)} and {batch_size}."
+      )
+  bounds = _microbatch_bounds(batch_size, microbatch_sizes)
   if weight_fn is None:
     weight_fn = _leading_size if reduction == "mean" else (lambda _: 1)
   maybe_jit = jax.jit if use_jit else (lambda fn: fn)
@@ -173,10 +191,9 @@ def compare_with_large_batch(
   large_batch_params, opt_state = params, optimizer.init(params)
   for batch in batches:
     large_batch_params, opt_state = large_batch_step(
-        large_batch_params, opt_state, batch
+      large_batch_params, opt_state, batch
     )
 
-  bounds = _microbatch_bounds(_leading_size(batches[0]), microbatch_sizes)
   tx = accumulate(optimizer, len(bounds), reduction=reduction)
 
   @maybe_jit
@@ -188,31 +205,31 @@ def compare_with_large_batch(
   accumulated_params, tx_state = params, tx.init(params)
   for batch in batches:
     for start, end in bounds:
-      microbatch = jax.tree.map(lambda leaf: leaf[start:end], batch)
+      microbatch = _rows(batch, start, end)
       accumulated_params, tx_state = micro_step(
-          accumulated_params, tx_state, microbatch, weight_fn(microbatch)
+        accumulated_params, tx_state, microbatch, weight_fn(microbatch)
       )
 
   return EquivalenceResult(
-      max_relative_difference=max_relative_difference(
-          accumulated_params, large_batch_params
-      ),
-      large_batch_params=large_batch_params,
-      accumulated_params=accumulated_params,
+    max_relative_difference=max_relative_difference(
+      accumulated_params, large_batch_params
+    ),
+    large_batch_params=large_batch_params,
+    accumulated_params=accumulated_params,
   )
 
 
 def assert_equivalent_to_large_batch(
-    loss_fn: LossFn,
-    optimizer: optax.GradientTransformation,
-    params: optax.Params,
-    batches: Iterable[Any],
-    microbatch_sizes: int | Sequence[int],
-    *,
-    rtol: float = 1e-5,
-    weight_fn: Callable[[Any], Any] | None = None,
-    reduction: str = "mean",
-    use_jit: bool = True,
+  loss_fn: LossFn,
+  optimizer: optax.GradientTransformation,
+  params: optax.Params,
+  batches: Iterable[Any],
+  microbatch_sizes: int | Sequence[int],
+  *,
+  rtol: float = 1e-5,
+  weight_fn: Callable[[Any], Any] | None = None,
+  reduction: str = "mean",
+  use_jit: bool = True,
 ) -> EquivalenceResult:
   """Asserts that accumulation reproduces large-batch training within ``rtol``.
 
@@ -245,19 +262,19 @@ def assert_equivalent_to_large_batch(
     ...     loss_fn, optax.sgd(0.1, momentum=0.9), jnp.zeros(2), [batch] * 3, 4)
   """
   result = compare_with_large_batch(
-      loss_fn,
-      optimizer,
-      params,
-      batches,
-      microbatch_sizes,
-      weight_fn=weight_fn,
-      reduction=reduction,
-      use_jit=use_jit,
+    loss_fn,
+    optimizer,
+    params,
+    batches,
+    microbatch_sizes,
+    weight_fn=weight_fn,
+    reduction=reduction,
+    use_jit=use_jit,
   )
   if not result.max_relative_difference <= rtol:
     raise AssertionError(
-        "accumulated training differs from large-batch training: max"
-        f" relative difference {result.max_relative_difference:.3g} >"
-        f" rtol {rtol:.3g}."
+      "accumulated training differs from large-batch training: max"
+      f" relative difference {result.max_relative_difference:.3g} >"
+      f" rtol {rtol:.3g}."
     )
   return result

@@ -19,8 +19,8 @@ def gradient(step: int) -> dict[str, jax.Array]:
   """A different, deterministic gradient for each micro-step."""
   keys = jax.random.split(jax.random.key(step), 2)
   return {
-      "w": jax.random.normal(keys[0], (2, 3)),
-      "b": jax.random.normal(keys[1], (2,)),
+    "w": jax.random.normal(keys[0], (2, 3)),
+    "b": jax.random.normal(keys[1], (2,)),
   }
 
 
@@ -53,13 +53,13 @@ class AccumulateTest(parameterized.TestCase):
     updates, state = update(gradient(2), state, PARAMS)
     self.assertTrue(ga_optax.emitted(state))
     mean = jax.tree.map(
-        lambda *gs: sum(gs) / 3, *[gradient(step) for step in range(3)]
+      lambda *gs: sum(gs) / 3, *[gradient(step) for step in range(3)]
     )
     chex.assert_trees_all_close(updates, optax.tree.scale(-1.0, mean))
     self.assertEqual(int(state.micro_step), 0)
     self.assertEqual(int(state.update_step), 1)
     chex.assert_trees_all_equal(
-        state.accumulator, optax.tree.zeros_like(PARAMS)
+      state.accumulator, optax.tree.zeros_like(PARAMS)
     )
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -84,7 +84,7 @@ class AccumulateTest(parameterized.TestCase):
     for step in range(5):
       updates, state = update(gradient(step), state, params)
       inner_updates, inner_state = inner_update(
-          gradient(step), inner_state, inner_params
+        gradient(step), inner_state, inner_params
       )
       # Eagerly, the bare optimizer runs op by op while the wrapped one runs
       # compiled inside lax.cond, so fusion may round the last bit apart.
@@ -100,13 +100,13 @@ class AccumulateTest(parameterized.TestCase):
     @jax.jit
     def both_steps(grads, state, inner_state):
       return tx.update(grads, state, PARAMS), inner.update(
-          grads, inner_state, PARAMS
+        grads, inner_state, PARAMS
       )
 
     state, inner_state = tx.init(PARAMS), inner.init(PARAMS)
     for step in range(3):
       (updates, state), (inner_updates, inner_state) = both_steps(
-          gradient(step), state, inner_state
+        gradient(step), state, inner_state
       )
       chex.assert_trees_all_equal(updates, inner_updates)
     chex.assert_trees_all_equal(state.inner_state, inner_state)
@@ -119,7 +119,7 @@ class AccumulateTest(parameterized.TestCase):
     for micro_step in range(6):
       updates, state = step(gradient(micro_step), state, PARAMS)
       eager_updates, eager_state = tx.update(
-          gradient(micro_step), eager_state, PARAMS
+        gradient(micro_step), eager_state, PARAMS
       )
       chex.assert_trees_all_close(updates, eager_updates, rtol=1e-6)
     chex.assert_trees_all_close(state, eager_state, rtol=1e-6)
@@ -136,21 +136,23 @@ class AccumulateTest(parameterized.TestCase):
 
   def test_reduce_on_plateau_sees_the_value_extra_arg(self):
     inner = optax.chain(
-        optax.sgd(1.0),
-        optax.contrib.reduce_on_plateau(patience=0, factor=0.5),
+      optax.sgd(1.0),
+      optax.contrib.reduce_on_plateau(patience=0, factor=0.5),
     )
     tx = ga_optax.accumulate(inner, 2)
     state = tx.init(PARAMS)
     for step in range(6):
-      _, state = tx.update(gradient(step), state, PARAMS, value=jnp.asarray(1.0))
+      _, state = tx.update(
+        gradient(step), state, PARAMS, value=jnp.asarray(1.0)
+      )
     # The same three window means, stepped by the bare optimizer.
     inner_state = inner.init(PARAMS)
     for window in range(3):
       mean = jax.tree.map(
-          lambda a, b: (a + b) / 2, gradient(2 * window), gradient(2 * window + 1)
+        lambda a, b: (a + b) / 2, gradient(2 * window), gradient(2 * window + 1)
       )
       _, inner_state = inner.update(
-          mean, inner_state, PARAMS, value=jnp.asarray(1.0)
+        mean, inner_state, PARAMS, value=jnp.asarray(1.0)
       )
     chex.assert_trees_all_close(state.inner_state, inner_state)
     self.assertLess(float(state.inner_state[1].scale), 1.0)
@@ -159,10 +161,10 @@ class AccumulateTest(parameterized.TestCase):
   def test_inside_optax_chain_on_either_side(self):
     grads = [gradient(step) for step in range(4)]
     outer_first = optax.chain(
-        optax.scale(2.0), ga_optax.accumulate(optax.sgd(0.1), 2)
+      optax.scale(2.0), ga_optax.accumulate(optax.sgd(0.1), 2)
     )
     outer_last = optax.chain(
-        ga_optax.accumulate(optax.sgd(0.1), 2), optax.scale(2.0)
+      ga_optax.accumulate(optax.sgd(0.1), 2), optax.scale(2.0)
     )
     for tx in (outer_first, outer_last):
       update = self.variant(tx.update)
@@ -175,7 +177,7 @@ class AccumulateTest(parameterized.TestCase):
       self.assertLen(emitted_updates, 2)
       for window, updates in enumerate(emitted_updates):
         mean = jax.tree.map(
-            lambda a, b: (a + b) / 2, *grads[2 * window : 2 * window + 2]
+          lambda a, b: (a + b) / 2, *grads[2 * window : 2 * window + 2]
         )
         chex.assert_trees_all_close(updates, optax.tree.scale(-0.2, mean))
 
@@ -184,16 +186,16 @@ class AccumulateTest(parameterized.TestCase):
     weights = [1.0, 3.0, 4.0]
     grads = [gradient(step) for step in range(3)]
     weighted_sum = jax.tree.map(
-        lambda *gs: sum(w * g for w, g in zip(weights, gs)), *grads
+      lambda *gs: sum(w * g for w, g in zip(weights, gs, strict=True)), *grads
     )
     for reduction, expected in (
-        ("mean", optax.tree.scale(1 / sum(weights), weighted_sum)),
-        ("sum", weighted_sum),
+      ("mean", optax.tree.scale(1 / sum(weights), weighted_sum)),
+      ("sum", weighted_sum),
     ):
       tx = ga_optax.accumulate(optax.sgd(-1.0), 3, reduction=reduction)
       update = self.variant(tx.update)
       state = tx.init(PARAMS)
-      for grad, weight in zip(grads, weights):
+      for grad, weight in zip(grads, weights, strict=True):
         updates, state = update(grad, state, PARAMS, weight=weight)
       chex.assert_trees_all_close(updates, expected, rtol=1e-6)
 
@@ -204,10 +206,10 @@ class AccumulateTest(parameterized.TestCase):
     state = tx.init(PARAMS)
     _, state = update(gradient(0), state, PARAMS, weight=2.0)
     updates, state = update(
-        gradient(1), state, PARAMS, weight=6.0, flush=jnp.asarray(True)
+      gradient(1), state, PARAMS, weight=6.0, flush=jnp.asarray(True)
     )
     expected = jax.tree.map(
-        lambda a, b: (2 * a + 6 * b) / 8, gradient(0), gradient(1)
+      lambda a, b: (2 * a + 6 * b) / 8, gradient(0), gradient(1)
     )
     chex.assert_trees_all_close(updates, expected, rtol=1e-6)
     self.assertTrue(ga_optax.emitted(state))
@@ -234,25 +236,28 @@ class AccumulateTest(parameterized.TestCase):
     tx = ga_optax.accumulate(optax.sgd(-1.0), 8)
     state = tx.init(params)
     chex.assert_trees_all_equal_dtypes(
-        state.accumulator, jax.tree.map(lambda p: p.astype(jnp.float32), params)
+      state.accumulator, jax.tree.map(lambda p: p.astype(jnp.float32), params)
     )
     # 1 + 7 * 2**-9 is exact in float32 but rounds to 1 in bfloat16.
     tiny = jnp.asarray(2.0**-9, jnp.bfloat16)
     grads = [optax.tree.ones_like(params)] + [
-        jax.tree.map(lambda p: jnp.full_like(p, tiny), params)
+      jax.tree.map(lambda p: jnp.full_like(p, tiny), params)
     ] * 7
     for grad in grads:
       updates, state = tx.update(grad, state, params)
     chex.assert_trees_all_equal_dtypes(updates, params)
     expected = (1 + 7 * 2.0**-9) / 8
     chex.assert_trees_all_close(
-        jax.tree.map(lambda u: u.astype(jnp.float32), updates),
-        jax.tree.map(lambda p: jnp.full(p.shape, expected), params),
-        rtol=2**-8,
+      jax.tree.map(lambda u: u.astype(jnp.float32), updates),
+      jax.tree.map(lambda p: jnp.full(p.shape, expected), params),
+      rtol=2**-8,
     )
 
   def test_every_k_callable_and_dict_are_counted_in_applied_updates(self):
-    for every_k in ({0: 3, 1: 1, 3: 2}, lambda n: jnp.where(n < 1, 3, 1 + (n >= 3))):
+    for every_k in (
+      {0: 3, 1: 1, 3: 2},
+      lambda n: jnp.where(n < 1, 3, 1 + (n >= 3)),
+    ):
       tx = ga_optax.accumulate(optax.sgd(1.0), every_k)
       state = tx.init(PARAMS)
       closing = []
@@ -261,8 +266,8 @@ class AccumulateTest(parameterized.TestCase):
         closing.append(bool(ga_optax.emitted(state)))
       # k = 3 for update 0, k = 1 for updates 1 and 2, then k = 2.
       self.assertEqual(
-          closing,
-          [False, False, True, True, True, False, True, False, True, False],
+        closing,
+        [False, False, True, True, True, False, True, False, True, False],
       )
 
   def test_traced_weight_and_flush(self):
@@ -275,7 +280,9 @@ class AccumulateTest(parameterized.TestCase):
     state = tx.init(PARAMS)
     _, state = step(gradient(0), state, jnp.asarray(1, jnp.int32), False)
     updates, state = step(gradient(1), state, jnp.asarray(3, jnp.int32), True)
-    expected = jax.tree.map(lambda a, b: (a + 3 * b) / 4, gradient(0), gradient(1))
+    expected = jax.tree.map(
+      lambda a, b: (a + 3 * b) / 4, gradient(0), gradient(1)
+    )
     chex.assert_trees_all_close(updates, expected, rtol=1e-6)
 
   def test_state_fields_and_dtypes(self):

@@ -29,21 +29,21 @@ FEATURES = 5
 def init_params(seed: int = 0) -> dict[str, jax.Array]:
   keys = jax.random.split(jax.random.key(seed), 2)
   return {
-      "hidden": jax.random.normal(keys[0], (FEATURES, 8)) / np.sqrt(FEATURES),
-      "bias": jnp.zeros(8),
-      "out": jax.random.normal(keys[1], (8,)) / np.sqrt(8),
+    "hidden": jax.random.normal(keys[0], (FEATURES, 8)) / np.sqrt(FEATURES),
+    "bias": jnp.zeros(8),
+    "out": jax.random.normal(keys[1], (8,)) / np.sqrt(8),
   }
 
 
 def make_batches(num_batches: int, batch_size: int = BATCH_SIZE, seed: int = 1):
   rng = np.random.default_rng(seed)
   return [
-      {
-          "x": jnp.asarray(rng.normal(size=(batch_size, FEATURES)), jnp.float32),
-          "y": jnp.asarray(rng.normal(size=(batch_size,)), jnp.float32),
-          "w": jnp.asarray(rng.uniform(0.2, 3.0, size=(batch_size,)), jnp.float32),
-      }
-      for _ in range(num_batches)
+    {
+      "x": jnp.asarray(rng.normal(size=(batch_size, FEATURES)), jnp.float32),
+      "y": jnp.asarray(rng.normal(size=(batch_size,)), jnp.float32),
+      "w": jnp.asarray(rng.uniform(0.2, 3.0, size=(batch_size,)), jnp.float32),
+    }
+    for _ in range(num_batches)
   ]
 
 
@@ -68,15 +68,15 @@ def weighted_mean_loss(params, batch):
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 2e-2, 2, NUM_WINDOWS)
 OPTIMIZERS = {
-    "sgd_momentum": optax.sgd(5e-2, momentum=0.9),
-    "adam_schedule": optax.adam(SCHEDULE),
-    "adamw_schedule": optax.adamw(SCHEDULE, weight_decay=0.1),
-    "adafactor": optax.adafactor(1e-2),
-    "rmsprop": optax.rmsprop(1e-2, momentum=0.5),
-    "lion": optax.lion(1e-3),
-    "clip_adamw": optax.chain(
-        optax.clip_by_global_norm(0.5), optax.adamw(SCHEDULE, weight_decay=0.1)
-    ),
+  "sgd_momentum": optax.sgd(5e-2, momentum=0.9),
+  "adam_schedule": optax.adam(SCHEDULE),
+  "adamw_schedule": optax.adamw(SCHEDULE, weight_decay=0.1),
+  "adafactor": optax.adafactor(1e-2),
+  "rmsprop": optax.rmsprop(1e-2, momentum=0.5),
+  "lion": optax.lion(1e-3),
+  "clip_adamw": optax.chain(
+    optax.clip_by_global_norm(0.5), optax.adamw(SCHEDULE, weight_decay=0.1)
+  ),
 }
 
 
@@ -84,42 +84,55 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_uniform_micro_batches_match_the_large_batch(name, k):
   result = assert_equivalent_to_large_batch(
-      mean_loss,
-      OPTIMIZERS[name],
-      init_params(),
-      make_batches(NUM_WINDOWS),
-      k,
-      rtol=2e-5,
+    mean_loss,
+    OPTIMIZERS[name],
+    init_params(),
+    make_batches(NUM_WINDOWS),
+    k,
+    rtol=2e-5,
   )
   # The comparison is not vacuous: training moved the parameters.
-  assert ga_optax.testing.max_relative_difference(
+  assert (
+    ga_optax.testing.max_relative_difference(
       result.large_batch_params, init_params()
-  ) > 1e-3
+    )
+    > 1e-3
+  )
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam_schedule", "clip_adamw"])
-@pytest.mark.parametrize("use_jit", [True, False])
-def test_variable_size_micro_batches_weighted_by_size(name, use_jit):
+@pytest.mark.parametrize(
+  ("name", "use_jit", "num_windows"),
+  [
+    ("sgd_momentum", True, NUM_WINDOWS),
+    ("adam_schedule", True, NUM_WINDOWS),
+    ("clip_adamw", True, NUM_WINDOWS),
+    # Eager dispatch is slow; two windows already exercise every path.
+    ("clip_adamw", False, 2),
+  ],
+)
+def test_variable_size_micro_batches_weighted_by_size(
+  name, use_jit, num_windows
+):
   assert_equivalent_to_large_batch(
-      mean_loss,
-      OPTIMIZERS[name],
-      init_params(),
-      make_batches(NUM_WINDOWS),
-      [3, 9, 1, 11],
-      rtol=2e-5,
-      use_jit=use_jit,
+    mean_loss,
+    OPTIMIZERS[name],
+    init_params(),
+    make_batches(num_windows),
+    [3, 9, 1, 11],
+    rtol=2e-5,
+    use_jit=use_jit,
   )
 
 
 def test_unweighted_variable_sizes_are_not_the_large_batch():
   """The default weight of 1 is wrong for unequal sizes: the check sees it."""
   result = ga_optax.testing.compare_with_large_batch(
-      mean_loss,
-      OPTIMIZERS["sgd_momentum"],
-      init_params(),
-      make_batches(NUM_WINDOWS),
-      [3, 9, 1, 11],
-      weight_fn=lambda microbatch: 1,
+    mean_loss,
+    OPTIMIZERS["sgd_momentum"],
+    init_params(),
+    make_batches(NUM_WINDOWS),
+    [3, 9, 1, 11],
+    weight_fn=lambda microbatch: 1,
   )
   assert result.max_relative_difference > 1e-3
 
@@ -127,21 +140,21 @@ def test_unweighted_variable_sizes_are_not_the_large_batch():
 @pytest.mark.parametrize("name", ["sgd_momentum", "adamw_schedule"])
 def test_sum_reduction_with_sum_losses(name):
   assert_equivalent_to_large_batch(
-      sum_loss,
-      optax.chain(optax.scale(1 / BATCH_SIZE), OPTIMIZERS[name]),
-      init_params(),
-      make_batches(NUM_WINDOWS),
-      [5, 7, 12],
-      reduction="sum",
-      rtol=2e-5,
+    sum_loss,
+    optax.chain(optax.scale(1 / BATCH_SIZE), OPTIMIZERS[name]),
+    init_params(),
+    make_batches(NUM_WINDOWS),
+    [5, 7, 12],
+    reduction="sum",
+    rtol=2e-5,
   )
 
 
 def split(batch, sizes):
   ends = np.cumsum(sizes)
   return [
-      jax.tree.map(lambda leaf, start=end - size, end=end: leaf[start:end], batch)
-      for size, end in zip(sizes, ends)
+    jax.tree.map(lambda leaf, start=end - size, end=end: leaf[start:end], batch)
+    for size, end in zip(sizes, ends, strict=True)
   ]
 
 
@@ -162,7 +175,7 @@ def large_batch_run(optimizer, loss_fn, batches):
 @functools.cache
 def accumulated_step(optimizer_name, every_k, skip_nonfinite=False):
   tx = ga_optax.accumulate(
-      OPTIMIZERS[optimizer_name], every_k, skip_nonfinite=skip_nonfinite
+    OPTIMIZERS[optimizer_name], every_k, skip_nonfinite=skip_nonfinite
   )
 
   @jax.jit
@@ -184,15 +197,15 @@ def test_partial_last_window_closed_by_flush(name):
   params, state = init_params(), tx.init(init_params())
   for index, micro_batch in enumerate(micro_batches):
     params, state = step(
-        params,
-        state,
-        micro_batch,
-        jnp.sum(micro_batch["w"]),
-        jnp.asarray(index == len(micro_batches) - 1),
+      params,
+      state,
+      micro_batch,
+      jnp.sum(micro_batch["w"]),
+      jnp.asarray(index == len(micro_batches) - 1),
     )
   assert int(state.update_step) == 4
   expected = large_batch_run(
-      OPTIMIZERS[name], weighted_mean_loss, split(data, [24, 24, 24, 12])
+    OPTIMIZERS[name], weighted_mean_loss, split(data, [24, 24, 24, 12])
   )
   chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=1e-6)
 
@@ -212,13 +225,13 @@ def test_piecewise_constant_schedule_of_k():
   params, state = init_params(), tx.init(init_params())
   for micro_batch in micro_batches:
     params, state = schedule_step(
-        params, state, micro_batch, jnp.sum(micro_batch["w"])
+      params, state, micro_batch, jnp.sum(micro_batch["w"])
     )
   assert int(state.update_step) == 5
   expected = large_batch_run(
-      OPTIMIZERS["adam_schedule"],
-      weighted_mean_loss,
-      split(data, [12, 12, 6, 6, 6]),
+    OPTIMIZERS["adam_schedule"],
+    weighted_mean_loss,
+    split(data, [12, 12, 6, 6, 6]),
   )
   chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=1e-6)
 
@@ -227,7 +240,9 @@ def test_piecewise_constant_schedule_of_k():
 def test_non_finite_micro_steps_are_skipped(name):
   data = make_batches(1, batch_size=4 * 6 * 3)[0]
   micro_batches = split(data, [6] * 12)
-  poisoned = jax.tree.map(lambda leaf: leaf.at[0].set(jnp.nan), micro_batches[0])
+  poisoned = jax.tree.map(
+    lambda leaf: leaf.at[0].set(jnp.nan), micro_batches[0]
+  )
   # NaN micro-batches land inside windows and on would-be closing positions.
   stream = list(micro_batches)
   for position in (1, 5, 7, 13):
@@ -236,12 +251,16 @@ def test_non_finite_micro_steps_are_skipped(name):
   params, state = init_params(), tx.init(init_params())
   for micro_batch in stream:
     params, state = step(
-        params, state, micro_batch, jnp.nansum(micro_batch["w"]), jnp.asarray(False)
+      params,
+      state,
+      micro_batch,
+      jnp.nansum(micro_batch["w"]),
+      jnp.asarray(False),
     )
   assert int(state.num_skipped) == 4
   assert int(state.update_step) == 3
   expected = large_batch_run(
-      OPTIMIZERS[name], weighted_mean_loss, split(data, [24, 24, 24])
+    OPTIMIZERS[name], weighted_mean_loss, split(data, [24, 24, 24])
   )
   chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=1e-6)
 
@@ -249,11 +268,11 @@ def test_non_finite_micro_steps_are_skipped(name):
 HYPOTHESIS_BATCH = 12
 
 
-@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.settings(max_examples=15, deadline=None)
 @hypothesis.given(
-    name=st.sampled_from(["sgd_momentum", "adam_schedule"]),
-    k=st.integers(1, 5),
-    data=st.data(),
+  name=st.sampled_from(["sgd_momentum", "adam_schedule"]),
+  k=st.integers(1, 5),
+  data=st.data(),
 )
 def test_any_partition_and_weights_match_the_large_batch(name, k, data):
   """Hypothesis: per-sample weights and an arbitrary split of each batch.
@@ -265,10 +284,10 @@ def test_any_partition_and_weights_match_the_large_batch(name, k, data):
   num_windows = 3
   batches = make_batches(num_windows, batch_size=HYPOTHESIS_BATCH, seed=k)
   sample_weights = st.lists(
-      st.floats(0.1, 5.0), min_size=HYPOTHESIS_BATCH, max_size=HYPOTHESIS_BATCH
+    st.floats(0.1, 5.0), min_size=HYPOTHESIS_BATCH, max_size=HYPOTHESIS_BATCH
   )
   assignments = st.lists(
-      st.integers(0, k - 1), min_size=HYPOTHESIS_BATCH, max_size=HYPOTHESIS_BATCH
+    st.integers(0, k - 1), min_size=HYPOTHESIS_BATCH, max_size=HYPOTHESIS_BATCH
   )
   tx, step = accumulated_step(name, k)
   params, state = init_params(), tx.init(init_params())
@@ -280,8 +299,14 @@ def test_any_partition_and_weights_match_the_large_batch(name, k, data):
     for micro in range(k):
       micro_batch = dict(batch, w=jnp.where(owner == micro, batch["w"], 0.0))
       params, state = step(
-          params, state, micro_batch, jnp.sum(micro_batch["w"]), jnp.asarray(False)
+        params,
+        state,
+        micro_batch,
+        jnp.sum(micro_batch["w"]),
+        jnp.asarray(False),
       )
   assert int(state.update_step) == num_windows
-  expected = large_batch_run(OPTIMIZERS[name], weighted_mean_loss, weighted_batches)
+  expected = large_batch_run(
+    OPTIMIZERS[name], weighted_mean_loss, weighted_batches
+  )
   chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=1e-6)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src import distributed, every_k as every_k_lib, validation
+from ga_optax._src import distributed, validation
+from ga_optax._src import every_k as every_k_lib
 
 
 class AccumulateState(NamedTuple):

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping
-from typing import Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 EveryKSchedule = Callable[[jax.Array], jax.Array]
-EveryK = Union[int, EveryKSchedule, Mapping[int, int]]
+EveryK = int | EveryKSchedule | Mapping[int, int]
 
 
 def _is_python_int(value: object) -> bool:
@@ -27,8 +26,8 @@ def _is_python_int(value: object) -> bool:
 def _check_positive_int(value: object, what: str) -> int:
   if not _is_python_int(value):
     raise TypeError(
-        f"{what} must be a positive int, got {value!r} of type"
-        f" {type(value).__name__}."
+      f"{what} must be a positive int, got {value!r} of type"
+      f" {type(value).__name__}."
     )
   if int(value) < 1:  # type: ignore[call-overload]
     raise ValueError(f"{what} must be a positive int (>= 1), got {value!r}.")
@@ -38,24 +37,24 @@ def _check_positive_int(value: object, what: str) -> int:
 def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
   if not schedule:
     raise ValueError(
-        "every_k as a dict must map applied-update counts to k, with key 0;"
-        " got an empty dict."
+      "every_k as a dict must map applied-update counts to k, with key 0;"
+      " got an empty dict."
     )
   for start in schedule:
     if not _is_python_int(start) or int(start) < 0:
       raise ValueError(
-          "every_k dict keys must be non-negative ints (applied-update"
-          f" counts), got key {start!r}."
+        "every_k dict keys must be non-negative ints (applied-update"
+        f" counts), got key {start!r}."
       )
   if 0 not in schedule:
     raise ValueError(
-        "every_k dict must contain key 0 (the k of the first window), got"
-        f" keys {sorted(schedule)}."
+      "every_k dict must contain key 0 (the k of the first window), got"
+      f" keys {sorted(schedule)}."
     )
   starts = sorted(int(start) for start in schedule)
   ks = [
-      _check_positive_int(schedule[start], f"every_k[{start}]")
-      for start in starts
+    _check_positive_int(schedule[start], f"every_k[{start}]")
+    for start in starts
   ]
   starts_array = np.asarray(starts, dtype=np.int32)
   ks_array = np.asarray(ks, dtype=np.int32)
@@ -73,9 +72,9 @@ def _checked_callable(schedule: EveryKSchedule) -> EveryKSchedule:
   dtype = getattr(result, "dtype", None)
   if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
-        "every_k as a callable must map the applied-update count (an int32"
-        " scalar) to an integer scalar k; it returned"
-        f" {result!r}. Wrap the result in jnp.asarray(..., jnp.int32)."
+      "every_k as a callable must map the applied-update count (an int32"
+      " scalar) to an integer scalar k; it returned"
+      f" {result!r}. Wrap the result in jnp.asarray(..., jnp.int32)."
     )
 
   def every_k_of(update_step: jax.Array) -> jax.Array:

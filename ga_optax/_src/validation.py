@@ -22,8 +22,8 @@ def check_optimizer(optimizer: Any) -> optax.GradientTransformationExtraArgs:
   """Returns ``optimizer`` as one that accepts (and may ignore) extra args."""
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(
-        "optimizer must be an optax.GradientTransformation (for example"
-        f" optax.adamw(1e-3)), got {type(optimizer).__name__}."
+      "optimizer must be an optax.GradientTransformation (for example"
+      f" optax.adamw(1e-3)), got {type(optimizer).__name__}."
     )
   return optax.with_extra_args_support(optimizer)
 
@@ -31,7 +31,7 @@ def check_optimizer(optimizer: Any) -> optax.GradientTransformationExtraArgs:
 def check_reduction(reduction: Any) -> str:
   if reduction not in REDUCTIONS:
     raise ValueError(
-        f"reduction must be one of {REDUCTIONS}, got {reduction!r}."
+      f"reduction must be one of {REDUCTIONS}, got {reduction!r}."
     )
   return reduction
 
@@ -41,13 +41,13 @@ def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype:
     dtype = jnp.dtype(accumulator_dtype)
   except TypeError as error:
     raise TypeError(
-        "accumulator_dtype must be a floating dtype such as jnp.float32, got"
-        f" {accumulator_dtype!r}."
+      "accumulator_dtype must be a floating dtype such as jnp.float32, got"
+      f" {accumulator_dtype!r}."
     ) from error
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
-        "accumulator_dtype must be a floating dtype such as jnp.float32, got"
-        f" {dtype}: an integer or boolean accumulator cannot hold gradients."
+      "accumulator_dtype must be a floating dtype such as jnp.float32, got"
+      f" {dtype}: an integer or boolean accumulator cannot hold gradients."
     )
   return dtype
 
@@ -56,27 +56,29 @@ def check_axis_name(axis_name: Any) -> Any:
   if axis_name is None or isinstance(axis_name, (str, tuple)):
     return axis_name
   raise TypeError(
-      "axis_name must be None, a mesh axis name (str) or a tuple of names,"
-      f" got {axis_name!r}."
+    "axis_name must be None, a mesh axis name (str) or a tuple of names,"
+    f" got {axis_name!r}."
   )
 
 
 def check_grads_match(grads: Any, accumulator: Any) -> None:
   """Checks that ``grads`` has the tree and leaf shapes of the accumulator."""
-  grads_tree = jax.tree.structure(grads)
+  grads_tree: Any = jax.tree.structure(grads)
   accumulator_tree = jax.tree.structure(accumulator)
   if grads_tree != accumulator_tree:
     raise ValueError(
-        "grads must have the tree structure of the params given to"
-        f" tx.init; expected {accumulator_tree}, got {grads_tree}."
+      "grads must have the tree structure of the params given to"
+      f" tx.init; expected {accumulator_tree}, got {grads_tree}."
     )
   grads_with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-  for (path, grad), slot in zip(grads_with_paths, jax.tree.leaves(accumulator)):
+  for (path, grad), slot in zip(
+    grads_with_paths, jax.tree.leaves(accumulator), strict=True
+  ):
     if jnp.shape(grad) != jnp.shape(slot):
       raise ValueError(
-          f"grads leaf {jax.tree_util.keystr(path)} has shape"
-          f" {jnp.shape(grad)}, but the accumulator (from tx.init) has shape"
-          f" {jnp.shape(slot)}."
+        f"grads leaf {jax.tree_util.keystr(path)} has shape"
+        f" {jnp.shape(grad)}, but the accumulator (from tx.init) has shape"
+        f" {jnp.shape(slot)}."
       )
 
 
@@ -86,38 +88,38 @@ def check_weight(weight: Any) -> jax.Array | float:
   A traced weight cannot be inspected; its value is the caller's promise.
   """
   if isinstance(weight, bool) or (
-      hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
+    hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
   ):
     raise TypeError(
-        "weight must be a real number (for example the micro-batch's token"
-        f" count), got a boolean {weight!r}."
+      "weight must be a real number (for example the micro-batch's token"
+      f" count), got a boolean {weight!r}."
     )
   if isinstance(weight, numbers.Real):
     value = float(weight)
   else:
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
       raise TypeError(
-          "weight must be a real scalar (a Python number or a 0-d array),"
-          f" got {type(weight).__name__}."
+        "weight must be a real scalar (a Python number or a 0-d array),"
+        f" got {type(weight).__name__}."
       )
     if jnp.shape(weight) != ():
       raise ValueError(
-          "weight must be a scalar (one weight per micro-batch), got shape"
-          f" {jnp.shape(weight)}. Sum per-example weights first."
+        "weight must be a scalar (one weight per micro-batch), got shape"
+        f" {jnp.shape(weight)}. Sum per-example weights first."
       )
     if not (
-        jnp.issubdtype(weight.dtype, jnp.integer)
-        or jnp.issubdtype(weight.dtype, jnp.floating)
+      jnp.issubdtype(weight.dtype, jnp.integer)
+      or jnp.issubdtype(weight.dtype, jnp.floating)
     ):
       raise TypeError(
-          f"weight must have a real numeric dtype, got {weight.dtype}."
+        f"weight must have a real numeric dtype, got {weight.dtype}."
       )
     if isinstance(weight, jax.core.Tracer):
       return weight
     value = float(np.asarray(weight))
   if not np.isfinite(value) or value < 0:
     raise ValueError(
-        f"weight must be finite and >= 0 (a count or a share), got {value}."
+      f"weight must be finite and >= 0 (a count or a share), got {value}."
     )
   return weight
 
@@ -126,12 +128,11 @@ def check_flush(flush: Any) -> Any:
   if isinstance(flush, bool):
     return flush
   if (
-      hasattr(flush, "dtype")
-      and jnp.shape(flush) == ()
-      and jnp.dtype(flush.dtype) == jnp.bool_
+    hasattr(flush, "dtype")
+    and jnp.shape(flush) == ()
+    and jnp.dtype(flush.dtype) == jnp.bool_
   ):
     return flush
   raise TypeError(
-      "flush must be a Python bool or a boolean scalar array, got"
-      f" {flush!r}."
+    f"flush must be a Python bool or a boolean scalar array, got {flush!r}."
   )

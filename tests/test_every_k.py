@@ -1,0 +1,41 @@
+"""Window-length schedules: int, callable and {update_step: k} dict."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ga_optax._src.every_k import as_schedule
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_dict_is_piecewise_constant_in_applied_updates(use_jit):
+  schedule = as_schedule({0: 8, 4: 2, 10: 1})
+  schedule = jax.jit(schedule) if use_jit else schedule
+  ks = [int(schedule(jnp.asarray(step, jnp.int32))) for step in range(13)]
+  assert ks == [8] * 4 + [2] * 6 + [1] * 3
+
+
+def test_dict_order_does_not_matter():
+  schedule = as_schedule({10: 1, 0: 8, 4: 2})
+  assert [int(schedule(jnp.asarray(s))) for s in (0, 4, 10)] == [8, 2, 1]
+
+
+def test_int_is_constant_and_int32():
+  k = as_schedule(3)(jnp.asarray(123, jnp.int32))
+  assert k.dtype == jnp.int32
+  assert int(k) == 3
+
+
+def test_callable_result_is_cast_to_int32():
+  schedule = as_schedule(lambda step: jnp.minimum(step + 1, 4).astype(jnp.int8))
+  ks = [schedule(jnp.asarray(step, jnp.int32)) for step in range(6)]
+  assert all(k.dtype == jnp.int32 for k in ks)
+  assert [int(k) for k in ks] == [1, 2, 3, 4, 4, 4]
+
+
+def test_schedule_at_the_int32_limit():
+  schedule = as_schedule({0: 4, 2**31 - 1: 2})
+  assert int(schedule(jnp.asarray(2**31 - 1, jnp.int32))) == 2
+  assert int(schedule(jnp.asarray(2**31 - 2, jnp.int32))) == 4

@@ -1,7 +1,10 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
 
 from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
+from ga_optax._src.batchnorm import combine_batch_stats
+from ga_optax._src.flax_utils import applied_updates, apply_gradients
 from ga_optax._src.fused import FusedAccumulation, accumulate_and_apply
+from ga_optax._src.microbatch import microbatched_value_and_grad
 from ga_optax._src.planner import (
   MicrobatchPlan,
   micro_step_bytes,
@@ -16,7 +19,11 @@ __all__ = [
   "MicrobatchPlan",
   "accumulate",
   "accumulate_and_apply",
+  "applied_updates",
+  "apply_gradients",
+  "combine_batch_stats",
   "emitted",
   "micro_step_bytes",
+  "microbatched_value_and_grad",
   "plan_microbatch",
 ]

@@ -387,4 +387,6 @@ def emitted(state: Any) -> jax.Array:
       "state must hold exactly one AccumulateState (the state of"
       f" ga_optax.accumulate), found {len(found)}."
     )
-  return found[0].emitted
+  # Flax NNX's Optimizer wraps state leaves in Variables: asarray returns
+  # the plain array (a snapshot, not the live Variable).
+  return jnp.asarray(found[0].emitted)

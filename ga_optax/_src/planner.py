@@ -147,7 +147,7 @@ def micro_step_bytes(
       lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jax.numpy.float32),
       abstract_params,
     )
-    donate = (1,)
+    donate: tuple[int, ...] = (1,)
   else:
     # k does not change what a micro-step holds; 2 keeps both branches.
     tx = accumulate_lib.accumulate(optimizer, 2)
@@ -164,6 +164,11 @@ def micro_step_bytes(
     .compile()
   )
   analysis = compiled.memory_analysis()
+  if analysis is None:
+    raise RuntimeError(
+      f"The {jax.default_backend()} backend gives no compiled memory"
+      " analysis, so micro_step_bytes cannot measure the micro-step."
+    )
   return int(
     analysis.argument_size_in_bytes
     + analysis.output_size_in_bytes

@@ -42,7 +42,9 @@ def test_bad_reduction(reduction):
     ga_optax.accumulate(optax.sgd(0.1), 2, reduction=reduction)
 
 
-@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "int8", "not a dtype"])
+@pytest.mark.parametrize(
+  "dtype", [jnp.int32, jnp.bool_, "int8", "not a dtype", None]
+)
 def test_bad_accumulator_dtype(dtype):
   with pytest.raises(TypeError, match="accumulator_dtype must be a floating"):
     ga_optax.accumulate(optax.sgd(0.1), 2, accumulator_dtype=dtype)

@@ -134,6 +134,12 @@ def _window_functions(
     extra_args: dict[str, Any],
     apply_to_params: bool,
   ) -> tuple[Any, AccumulateState]:
+    if not isinstance(state, AccumulateState):
+      raise TypeError(
+        "state must be the AccumulateState made by this transformation's"
+        " init (or restored into its structure), got"
+        f" {type(state).__name__}."
+      )
     validation.check_grads_match(grads, state.accumulator)
     weight = validation.check_weight(weight)
     flush = validation.check_flush(flush)
@@ -242,11 +248,14 @@ def _window_functions(
 
 
 def _weighted(grad: jax.Array, weight: Any, dtype: Any) -> jax.Array:
-  """``weight * grad`` in ``dtype``; a plain cast when the weight is 1."""
+  """``weight * grad`` in ``dtype``: a plain cast for weight 1, zeros for 0."""
   grad = grad.astype(dtype)
   if isinstance(weight, (int, float)) and weight == 1:
     return grad
-  return jnp.asarray(weight, dtype) * grad
+  weight = jnp.asarray(weight, dtype)
+  # A micro-batch of weight 0 (all padding, say) must add nothing, even
+  # though the gradient of its mean loss is 0 / 0 = NaN: 0 * NaN is NaN.
+  return jnp.where(weight == 0, 0, weight * grad)
 
 
 def accumulate(
@@ -271,12 +280,26 @@ def accumulate(
   ``update`` takes, besides ``updates, state, params``:
 
   * ``weight``: a scalar >= 0 for this micro-batch (default 1), a Python
-    number or an array, traced or not.
+    number or an array of any integer or floating dtype, traced or not. A
+    micro-step of weight 0 adds nothing, even where its gradient is NaN (the
+    mean loss of an all-padding micro-batch); it counts toward k unless
+    ``skip_nonfinite`` drops it. A concrete weight is checked; a traced one
+    cannot be and is used as given, so a negative traced weight subtracts
+    its micro-batch. A window whose weights sum to 0 or less emits zeros and
+    does not step ``optimizer``.
   * ``flush``: a Python bool or boolean scalar; when true the window closes
     now, normalised by what it holds. A window that holds no weight emits
     zeros and does not step ``optimizer``.
   * any other keyword: forwarded to ``optimizer.update`` when the window
     closes (for example ``value=`` for ``optax.contrib.reduce_on_plateau``).
+
+  Under ``jax.vmap`` (several models trained side by side) the window's
+  ``lax.cond`` gets a batched predicate and becomes a select: both branches
+  run on every micro-step, so each micro-step pays for a full step of
+  ``optimizer`` plus a select over its state and updates, as
+  ``optax.MultiSteps`` always does. The results are unchanged, even for
+  models whose windows are out of phase. Under ``jit``, ``pmap`` and
+  ``jax.shard_map`` the predicate is a scalar and only one branch runs.
 
   Args:
     optimizer: the optax transformation to apply once per window: a chain,

@@ -38,6 +38,9 @@ def check_reduction(reduction: Any) -> str:
 
 def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype:
   try:
+    # jnp.dtype(None) is the default float dtype; None here is a mistake.
+    if accumulator_dtype is None:
+      raise TypeError
     dtype = jnp.dtype(accumulator_dtype)
   except TypeError as error:
     raise TypeError(
@@ -62,7 +65,7 @@ def check_axis_name(axis_name: Any) -> Any:
 
 
 def check_grads_match(grads: Any, accumulator: Any) -> None:
-  """Checks that ``grads`` has the tree and leaf shapes of the accumulator."""
+  """Checks that ``grads`` has the accumulator's tree and shapes, in floats."""
   grads_tree: Any = jax.tree.structure(grads)
   accumulator_tree = jax.tree.structure(accumulator)
   if grads_tree != accumulator_tree:
@@ -74,6 +77,15 @@ def check_grads_match(grads: Any, accumulator: Any) -> None:
   for (path, grad), slot in zip(
     grads_with_paths, jax.tree.leaves(accumulator), strict=True
   ):
+    # Integer, boolean or complex gradients would be cast silently (the mean
+    # truncated to an integer); a Python scalar has no dtype to keep.
+    dtype = getattr(grad, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+        f"grads leaf {jax.tree_util.keystr(path)} must be a floating-point"
+        f" array, got {type(grad).__name__}"
+        + (f" of dtype {dtype}." if dtype is not None else ".")
+      )
     if jnp.shape(grad) != jnp.shape(slot):
       raise ValueError(
         f"grads leaf {jax.tree_util.keystr(path)} has shape"

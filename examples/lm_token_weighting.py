@@ -1,0 +1,406 @@
+"""Token-weighted accumulation on a small Transformer LM with padded sequences.
+
+A language model's loss is the mean over *real* tokens, padding excluded. When
+a large batch is split into micro-batches, each micro-batch holds a different
+number of real tokens, so the mean of the micro-batch means is not the
+large-batch loss: the tokens of short micro-batches count for more. This
+script trains one Flax NNX Transformer from the same initial parameters, on
+the same batches, several ways, and reports how far each run ends from the
+large batch:
+
+1. the large batch, with the token-mean loss;
+2. naive accumulation: each micro-batch's token mean, averaged over the k
+   micro-batches (``ga_optax.accumulate`` without ``weight=``; the same
+   arithmetic as ``optax.MultiSteps``);
+3. ``ga_optax.accumulate`` with ``weight=`` the micro-batch's real tokens;
+4. ``ga_optax.microbatched_value_and_grad`` with a ``weight_fn`` that counts
+   real tokens: the whole window in one jitted step.
+
+The sequences come from a synthetic grammar: counting sequences
+``BOS a, a+s, a+2s, ... EOS`` (modulo the alphabet) with a random start ``a``,
+stride ``s`` and length, padded to a fixed width. Half are short and half are
+long, so micro-batches differ widely in their token counts.
+
+    python examples/lm_token_weighting.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+import ga_optax
+
+DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parent / "output"
+
+PAD, BOS, EOS = 0, 1, 2
+NUM_SPECIAL = 3
+ALPHABET = 16
+VOCAB_SIZE = NUM_SPECIAL + ALPHABET
+
+
+def make_sequences(
+  rng: np.random.Generator, count: int, max_symbols: int
+) -> np.ndarray:
+  """Padded counting sequences, an int32 array of shape (count, max_symbols + 2).
+
+  Each row is ``BOS, a, a + s, a + 2 s, ..., EOS, PAD, ...`` over an alphabet
+  of ``ALPHABET`` symbols (arithmetic modulo ``ALPHABET``). Half of the rows
+  hold 1 to ``max_symbols // 5`` symbols, the other half up to
+  ``max_symbols``: the real-token counts of micro-batches vary widely.
+  """
+  short_max = max(1, max_symbols // 5)
+  long_min = min(max_symbols, 2 * short_max)
+  is_short = rng.random(count) < 0.5
+  lengths = np.where(
+    is_short,
+    rng.integers(1, short_max + 1, count),
+    rng.integers(long_min, max_symbols + 1, count),
+  )
+  starts = rng.integers(0, ALPHABET, count)
+  strides = rng.integers(1, 4, count)
+  tokens = np.full((count, max_symbols + 2), PAD, dtype=np.int32)
+  tokens[:, 0] = BOS
+  for row, (length, start, stride) in enumerate(
+    zip(lengths, starts, strides, strict=True)
+  ):
+    symbols = (start + stride * np.arange(length)) % ALPHABET
+    tokens[row, 1 : length + 1] = NUM_SPECIAL + symbols
+    tokens[row, length + 1] = EOS
+  return tokens
+
+
+def count_real_tokens(tokens: jax.Array) -> jax.Array:
+  """The number of predicted tokens that are not padding."""
+  return jnp.sum(tokens[:, 1:] != PAD)
+
+
+class Block(nnx.Module):
+  """A pre-norm Transformer block: causal self-attention, then an MLP."""
+
+  def __init__(self, dim: int, num_heads: int, rngs: nnx.Rngs):
+    self.attention_norm = nnx.LayerNorm(dim, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+      num_heads=num_heads,
+      in_features=dim,
+      decode=False,
+      keep_rngs=False,
+      # A key bias shifts all attention logits of a query equally, so its
+      # gradient is zero in exact arithmetic; Adam would turn its rounding
+      # noise into full-size steps that differ from run to run.
+      use_bias=False,
+      rngs=rngs,
+    )
+    self.mlp_norm = nnx.LayerNorm(dim, rngs=rngs)
+    self.mlp_in = nnx.Linear(dim, 4 * dim, rngs=rngs)
+    self.mlp_out = nnx.Linear(4 * dim, dim, rngs=rngs)
+
+  def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    x = x + self.attention(self.attention_norm(x), mask=mask)
+    return x + self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class TransformerLM(nnx.Module):
+  """A small decoder-only Transformer with learned positions."""
+
+  def __init__(
+    self,
+    *,
+    max_len: int,
+    dim: int,
+    num_heads: int,
+    num_layers: int,
+    rngs: nnx.Rngs,
+  ):
+    self.token_embedding = nnx.Embed(VOCAB_SIZE, dim, rngs=rngs)
+    self.position_embedding = nnx.Embed(max_len, dim, rngs=rngs)
+    self.blocks = nnx.List(
+      [Block(dim, num_heads, rngs) for _ in range(num_layers)]
+    )
+    self.final_norm = nnx.LayerNorm(dim, rngs=rngs)
+    self.head = nnx.Linear(dim, VOCAB_SIZE, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    positions = jnp.arange(tokens.shape[-1])
+    x = self.token_embedding(tokens) + self.position_embedding(positions)
+    # Padding only follows real tokens, so the causal mask already keeps
+    # every real position from seeing padding.
+    mask = nnx.make_causal_mask(tokens)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.final_norm(x))
+
+
+def make_loss(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
+  """The token-mean next-token loss of a batch, as a function of params."""
+
+  def token_mean_loss(params: nnx.State, tokens: jax.Array) -> jax.Array:
+    model = nnx.merge(graphdef, params)
+    logits = model(tokens[:, :-1])
+    targets = tokens[:, 1:]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    real = targets != PAD
+    return jnp.sum(losses * real) / jnp.sum(real)
+
+  return token_mean_loss
+
+
+class Run(NamedTuple):
+  """One way of training: ``step(params, opt_state, tokens)`` per update."""
+
+  step: Callable[..., tuple[Any, Any, float]]
+  optimizer: optax.GradientTransformation
+
+
+def large_batch_run(loss: Callable, args: argparse.Namespace) -> Run:
+  optimizer = optax.adam(args.learning_rate)
+  value_and_grad = jax.value_and_grad(loss)
+
+  @jax.jit
+  def step(params, opt_state, tokens):
+    value, grads = value_and_grad(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return Run(step, optimizer)
+
+
+def accumulate_runs(loss: Callable, args: argparse.Namespace) -> list[Run]:
+  """``ga_optax.accumulate``, one ``update`` call per micro-batch.
+
+  Returns the naive run (every micro-batch weighs 1) and the token-weighted
+  run. They share one compiled micro-step, ``weighted`` being an argument.
+  """
+  optimizer = ga_optax.accumulate(optax.adam(args.learning_rate), args.every_k)
+  value_and_grad = jax.value_and_grad(loss)
+
+  @jax.jit
+  def micro_step(params, opt_state, tokens, weighted):
+    value, grads = value_and_grad(params, tokens)
+    num_tokens = count_real_tokens(tokens)
+    # With weight= the real-token count, the window's gradient is the
+    # gradient of the large batch's token mean; with weight 1, every
+    # micro-batch counts the same whatever it holds.
+    weight = jnp.where(weighted, num_tokens, 1)
+    updates, opt_state = optimizer.update(
+      grads, opt_state, params, weight=weight
+    )
+    return optax.apply_updates(params, updates), opt_state, value, num_tokens
+
+  def make_step(weighted: bool) -> Callable[..., tuple[Any, Any, float]]:
+    def step(params, opt_state, tokens):
+      total = weight_sum = 0.0
+      for micro_batch in np.split(tokens, args.every_k):
+        params, opt_state, value, num_tokens = micro_step(
+          params, opt_state, micro_batch, weighted
+        )
+        # Logged as the large batch's token mean in every run, so that the
+        # curves differ only where the trajectories do.
+        total += float(value) * int(num_tokens)
+        weight_sum += int(num_tokens)
+      return params, opt_state, total / weight_sum
+
+    return step
+
+  return [Run(make_step(False), optimizer), Run(make_step(True), optimizer)]
+
+
+def microbatched_run(loss: Callable, args: argparse.Namespace) -> Run:
+  """``ga_optax.microbatched_value_and_grad``: one jitted step per window."""
+  optimizer = optax.adam(args.learning_rate)
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    loss, args.every_k, weight_fn=count_real_tokens
+  )
+
+  @jax.jit
+  def step(params, opt_state, tokens):
+    value, grads = value_and_grad(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return Run(step, optimizer)
+
+
+@jax.jit
+def relative_distance(params: Any, reference: Any) -> jax.Array:
+  """``||params - reference|| / ||reference||`` over all leaves."""
+  return optax.tree.norm(optax.tree.sub(params, reference)) / optax.tree.norm(
+    reference
+  )
+
+
+def max_abs_difference(params: Any, reference: Any) -> float:
+  differences = jax.tree.map(
+    lambda a, b: jnp.max(jnp.abs(a - b)), params, reference
+  )
+  return float(max(jax.tree.leaves(differences)))
+
+
+def plot(
+  losses: dict[str, list[float]],
+  distances: dict[str, list[float]],
+  path: Path,
+) -> None:
+  """Loss curves, and each run's distance from the large-batch parameters."""
+  figure = Figure(figsize=(11, 4), layout="constrained")
+  loss_axes, distance_axes = figure.subplots(1, 2)
+  styles = [
+    ("C0", "-", 2.5),
+    ("C3", "-", 1.5),
+    ("C1", "--", 1.5),
+    ("C2", ":", 2.0),
+  ]
+  for name, (color, line, width) in zip(losses, styles, strict=True):
+    style = {"color": color, "linestyle": line, "linewidth": width}
+    loss_axes.plot(losses[name], label=name, **style)
+    if name in distances:
+      distance_axes.plot(distances[name], label=name, **style)
+  loss_axes.set_title("training loss (token mean over each large batch)")
+  loss_axes.set_yscale("log")
+  distance_axes.set_title("||params - large-batch params|| / ||params||")
+  distance_axes.set_yscale("log")
+  for axes in (loss_axes, distance_axes):
+    axes.set_xlabel("optimizer update")
+    axes.legend()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(path, dpi=120)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--steps", type=int, default=100, help="updates")
+  parser.add_argument("--batch-size", type=int, default=32, help="sequences")
+  parser.add_argument("--every-k", type=int, default=4)
+  parser.add_argument("--max-symbols", type=int, default=30)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--num-heads", type=int, default=4)
+  parser.add_argument("--num-layers", type=int, default=2)
+  parser.add_argument("--learning-rate", type=float, default=3e-3)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--output-dir",
+    type=Path,
+    default=DEFAULT_OUTPUT_DIR,
+    help=f"where the plot goes (default: {DEFAULT_OUTPUT_DIR})",
+  )
+  parser.add_argument(
+    "--no-progress",
+    dest="progress",
+    action="store_false",
+    help="hide the progress bar",
+  )
+  args = parser.parse_args(argv)
+  if args.batch_size % args.every_k:
+    parser.error(
+      f"--batch-size ({args.batch_size}) must be a multiple of --every-k"
+      f" ({args.every_k})."
+    )
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+  """Runs the comparison; returns each run's losses and parameter distance."""
+  args = parse_args(argv)
+  rng = np.random.default_rng(args.seed)
+  train = make_sequences(rng, args.steps * args.batch_size, args.max_symbols)
+  held_out = make_sequences(rng, 256, args.max_symbols)
+  batches = np.split(train, args.steps)
+  micro_size = args.batch_size // args.every_k
+  tokens_per_row = (train[:, 1:] != PAD).sum(axis=1)
+  micro_counts = tokens_per_row.reshape(-1, micro_size).sum(axis=1)
+  print(
+    f"device: {jax.devices()[0].platform}  {args.steps} updates of"
+    f" {args.batch_size} sequences = {micro_size} x {args.every_k}"
+    f" micro-batches; real tokens per micro-batch: {micro_counts.min()} to"
+    f" {micro_counts.max()} (mean {micro_counts.mean():.0f})"
+  )
+
+  model = TransformerLM(
+    max_len=train.shape[1] - 1,
+    dim=args.dim,
+    num_heads=args.num_heads,
+    num_layers=args.num_layers,
+    rngs=nnx.Rngs(args.seed),
+  )
+  graphdef, initial_params = nnx.split(model)
+  loss = make_loss(graphdef)
+  naive_run, weighted_run = accumulate_runs(loss, args)
+  runs = {
+    "large batch": large_batch_run(loss, args),
+    "naive (mean of means)": naive_run,
+    "accumulate(weight=)": weighted_run,
+    "microbatched(weight_fn=)": microbatched_run(loss, args),
+  }
+
+  params = dict.fromkeys(runs, initial_params)
+  opt_states = {
+    name: run.optimizer.init(initial_params) for name, run in runs.items()
+  }
+  losses: dict[str, list[float]] = {name: [] for name in runs}
+  distances: dict[str, list[float]] = {
+    name: [] for name in runs if name != "large batch"
+  }
+  # float32 matmuls at full precision (GPUs may otherwise use TF32): the
+  # comparison is about the accumulation, not about matmul rounding.
+  with jax.default_matmul_precision("highest"):
+    # The runs advance in lockstep so that their distance from the large
+    # batch can be measured after every update.
+    for tokens in tqdm(
+      batches,
+      desc="training",
+      unit="update",
+      disable=not args.progress,
+      file=sys.stderr,
+    ):
+      for name, run in runs.items():
+        params[name], opt_states[name], value = run.step(
+          params[name], opt_states[name], tokens
+        )
+        losses[name].append(float(value))
+      for name in distances:
+        distances[name].append(
+          float(relative_distance(params[name], params["large batch"]))
+        )
+    eval_loss = jax.jit(loss)
+    results = {
+      name: {
+        "final_loss": losses[name][-1],
+        "held_out_loss": float(eval_loss(params[name], held_out)),
+        "max_param_difference": max_abs_difference(
+          params[name], params["large batch"]
+        ),
+        "relative_distance": float(
+          relative_distance(params[name], params["large batch"])
+        ),
+      }
+      for name in runs
+    }
+
+  print(
+    f"\n{'run':<26}{'final loss':>11}{'held-out loss':>15}"
+    f"{'max |param diff|':>18}{'rel. distance':>15}"
+  )
+  for name, row in results.items():
+    print(
+      f"{name:<26}{row['final_loss']:>11.5f}{row['held_out_loss']:>15.5f}"
+      f"{row['max_param_difference']:>18.2e}{row['relative_distance']:>15.2e}"
+    )
+  plot_path = args.output_dir / "lm_token_weighting.png"
+  plot(losses, distances, plot_path)
+  print(f"\nplot: {plot_path}")
+  return results
+
+
+if __name__ == "__main__":
+  main()

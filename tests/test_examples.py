@@ -1,0 +1,210 @@
+"""The example scripts, run in-process at a tiny size.
+
+Each example's claim is checked, not just that it runs: ga_optax ends on the
+large-batch parameters (to float32 rounding) and the naive loop does not.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import re
+import struct
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+
+# Far above float32 rounding accumulated over a few Adam steps, far below
+# what a wrongly normalised gradient moves the parameters by.
+EQUIVALENT = 1e-5
+
+
+def load_example(name: str) -> ModuleType:
+  spec = importlib.util.spec_from_file_location(
+    f"example_{name}", EXAMPLES_DIR / f"{name}.py"
+  )
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def classifier() -> ModuleType:
+  return load_example("classifier")
+
+
+@pytest.fixture(scope="module")
+def lm_example() -> ModuleType:
+  return load_example("lm_token_weighting")
+
+
+IDX_TYPE_CODES = {
+  ">u1": 0x08,
+  ">i1": 0x09,
+  ">i2": 0x0B,
+  ">i4": 0x0C,
+  ">f4": 0x0D,
+  ">f8": 0x0E,
+}
+
+
+def write_idx(path: Path, array: np.ndarray, type_code: int | None = None):
+  """Writes ``array`` as an IDX file (gzipped when the name ends in .gz)."""
+  big_endian = array.astype(array.dtype.newbyteorder(">"))
+  if type_code is None:
+    type_code = IDX_TYPE_CODES[big_endian.dtype.str.replace("|", ">")]
+  header = bytes([0, 0, type_code, array.ndim])
+  header += struct.pack(f">{array.ndim}I", *array.shape)
+  opener = gzip.open if path.suffix == ".gz" else open
+  with opener(path, "wb") as file:
+    file.write(header + big_endian.tobytes())
+
+
+@pytest.mark.parametrize("dtype", list(IDX_TYPE_CODES))
+@pytest.mark.parametrize("suffix", [".gz", ""])
+def test_read_idx_round_trips_every_type(classifier, tmp_path, dtype, suffix):
+  rng = np.random.default_rng(0)
+  array = (rng.normal(size=(3, 4, 5)) * 50).astype(dtype)
+  path = tmp_path / f"data-idx{suffix}"
+  write_idx(path, array)
+
+  read = classifier.read_idx(path)
+
+  np.testing.assert_array_equal(read, array)
+  assert read.shape == (3, 4, 5)
+  assert read.dtype == np.dtype(dtype).newbyteorder("=")
+
+
+def test_read_idx_reads_a_one_dimensional_label_file(classifier, tmp_path):
+  labels = np.arange(10, dtype=np.uint8)
+  write_idx(tmp_path / "labels.gz", labels)
+  np.testing.assert_array_equal(
+    classifier.read_idx(tmp_path / "labels.gz"), labels
+  )
+
+
+def test_read_idx_rejects_a_bad_magic_number(classifier, tmp_path):
+  path = tmp_path / "bad.gz"
+  with gzip.open(path, "wb") as file:
+    file.write(b"\x1f\x00\x08\x01\x00\x00\x00\x01\x00")
+  with pytest.raises(ValueError, match="not an IDX file"):
+    classifier.read_idx(path)
+
+
+def test_read_idx_rejects_an_unknown_type_code(classifier, tmp_path):
+  path = tmp_path / "bad"
+  write_idx(path, np.zeros(4, np.uint8), type_code=0x0A)
+  with pytest.raises(ValueError, match="type code 0x0a"):
+    classifier.read_idx(path)
+
+
+def test_read_idx_rejects_data_shorter_than_the_header_says(
+  classifier, tmp_path
+):
+  path = tmp_path / "short"
+  write_idx(path, np.zeros((2, 3), np.uint8))
+  path.write_bytes(path.read_bytes()[:-1])
+  with pytest.raises(ValueError, match=r"5 bytes of data.*\(2, 3\)"):
+    classifier.read_idx(path)
+
+
+def test_load_fashion_mnist_names_the_missing_files(classifier, tmp_path):
+  with pytest.raises(
+    FileNotFoundError, match=re.escape("t10k-labels-idx1-ubyte.gz")
+  ):
+    classifier.load_fashion_mnist(tmp_path)
+
+
+def write_fake_fashion_mnist(directory: Path, num_train: int, num_test: int):
+  rng = np.random.default_rng(1)
+  for split, count in (("train", num_train), ("t10k", num_test)):
+    images = rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, count, dtype=np.uint8)
+    write_idx(directory / f"{split}-images-idx3-ubyte.gz", images)
+    write_idx(directory / f"{split}-labels-idx1-ubyte.gz", labels)
+
+
+def assert_ga_matches_and_naive_does_not(results, ga_names, naive_name):
+  for name in ga_names:
+    assert results[name]["max_param_difference"] < EQUIVALENT, name
+  assert results[naive_name]["max_param_difference"] > 10 * EQUIVALENT
+
+
+def test_classifier_on_fashion_mnist_files(classifier, tmp_path, capsys):
+  data_dir = tmp_path / "fashion"
+  data_dir.mkdir()
+  # 100 training images: one full batch of 64, then a partial window of 36.
+  write_fake_fashion_mnist(data_dir, num_train=100, num_test=20)
+
+  results = classifier.main(
+    [
+      *("--data-dir", str(data_dir), "--epochs", "2", "--hidden", "16"),
+      *("--output-dir", str(tmp_path), "--no-progress"),
+    ]
+  )
+
+  assert_ga_matches_and_naive_does_not(
+    results, ["ga_optax.accumulate"], "naive loop (/ k)"
+  )
+  assert results["large batch"]["max_param_difference"] == 0.0
+  assert (tmp_path / "classifier_losses.png").stat().st_size > 0
+  printed = capsys.readouterr().out
+  assert "train: 100  test: 20" in printed
+  assert "the last batch of each epoch holds 36" in printed
+
+
+def test_classifier_on_bundled_digits(classifier, tmp_path):
+  results = classifier.main(
+    [
+      *("--epochs", "1", "--train-size", "150", "--hidden", "16"),
+      *("--output-dir", str(tmp_path), "--no-progress"),
+    ]
+  )
+
+  assert_ga_matches_and_naive_does_not(
+    results, ["ga_optax.accumulate"], "naive loop (/ k)"
+  )
+  for row in results.values():
+    assert 0.0 <= row["test_accuracy"] <= 1.0
+
+
+def test_lm_sequences_follow_the_grammar(lm_example):
+  tokens = lm_example.make_sequences(
+    np.random.default_rng(0), count=50, max_symbols=12
+  )
+  assert tokens.shape == (50, 14)
+  assert (tokens[:, 0] == lm_example.BOS).all()
+  for row in tokens:
+    end = int(np.flatnonzero(row == lm_example.EOS)[0])
+    symbols = row[1:end] - lm_example.NUM_SPECIAL
+    assert 1 <= len(symbols) <= 12
+    assert (symbols >= 0).all()
+    assert (row[end + 1 :] == lm_example.PAD).all()
+    strides = np.diff(symbols) % lm_example.ALPHABET
+    assert len(set(strides.tolist())) <= 1
+
+
+def test_lm_token_weighting(lm_example, tmp_path):
+  results = lm_example.main(
+    [
+      *("--steps", "4", "--batch-size", "8", "--every-k", "2"),
+      *("--dim", "16", "--num-heads", "2", "--num-layers", "1"),
+      *("--max-symbols", "10", "--output-dir", str(tmp_path), "--no-progress"),
+    ]
+  )
+
+  weighted = [name for name in results if "weight" in name]
+  assert weighted, results
+  assert_ga_matches_and_naive_does_not(
+    results, weighted, "naive (mean of means)"
+  )
+  for name in weighted:
+    assert results[name]["relative_distance"] < EQUIVALENT
+  assert (tmp_path / "lm_token_weighting.png").stat().st_size > 0

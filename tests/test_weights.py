@@ -1,0 +1,149 @@
+"""Micro-batch weights: zero-weight windows, traced negatives, every dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import ga_optax
+
+GRADS = [
+  {"w": jnp.asarray([1.0, -2.0, 0.5]), "b": jnp.asarray(3.0)},
+  {"w": jnp.asarray([4.0, 0.25, -1.0]), "b": jnp.asarray(-2.0)},
+  {"w": jnp.asarray([-3.0, 1.0, 2.0]), "b": jnp.asarray(0.5)},
+]
+PARAMS = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+
+
+def _window(tx, weights, use_jit: bool, grads=GRADS, flush_last=False):
+  def update(grads, state, weight, flush):
+    return tx.update(grads, state, PARAMS, weight=weight, flush=flush)
+
+  if use_jit:
+    update = jax.jit(update)
+  state = tx.init(PARAMS)
+  for index, (g, weight) in enumerate(zip(grads, weights, strict=True)):
+    flush = flush_last and index == len(weights) - 1
+    updates, state = update(g, state, weight, flush)
+  return updates, state
+
+
+@pytest.mark.parametrize(
+  ("reduction", "use_jit"),
+  [("mean", True), ("sum", True), ("mean", False)],
+  ids=["jit-mean", "jit-sum", "eager-mean"],
+)
+def test_window_of_zero_weight_emits_zeros_without_a_step(reduction, use_jit):
+  tx = ga_optax.accumulate(optax.adam(0.1), 3, reduction=reduction)
+  updates, state = _window(tx, [0, 0.0, jnp.int32(0)], use_jit)
+  chex.assert_trees_all_equal(updates, optax.tree.zeros_like(PARAMS))
+  chex.assert_trees_all_equal(state.inner_state, tx.init(PARAMS).inner_state)
+  assert not bool(ga_optax.emitted(state))
+  assert int(state.update_step) == 0
+  assert int(state.micro_step) == 0
+
+
+def test_flushing_a_zero_weight_partial_window_emits_zeros_without_a_step():
+  tx = ga_optax.accumulate(optax.adam(0.1), 3)
+  updates, state = _window(tx, [0, 0], True, GRADS[:2], flush_last=True)
+  chex.assert_trees_all_equal(updates, optax.tree.zeros_like(PARAMS))
+  chex.assert_trees_all_equal(state.inner_state, tx.init(PARAMS).inner_state)
+  assert int(state.update_step) == 0
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_zero_weight_micro_step_adds_nothing_even_when_its_gradient_is_nan(
+  use_jit,
+):
+  # An all-padding micro-batch: its mean loss is 0 / 0, its weight 0 tokens.
+  tx = ga_optax.accumulate(optax.sgd(1.0), 3)
+  nan_grads = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), GRADS[1])
+  updates, state = _window(
+    tx, [2, 0, 3], use_jit, [GRADS[0], nan_grads, GRADS[2]]
+  )
+  expected = jax.tree.map(lambda a, c: -(2 * a + 3 * c) / 5, GRADS[0], GRADS[2])
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+  assert int(state.update_step) == 1
+
+
+def test_traced_negative_weight_is_used_as_given():
+  # Documented: a traced weight cannot be checked, so it enters the sums as
+  # given; only a window whose weights sum to <= 0 is withheld.
+  tx = ga_optax.accumulate(optax.sgd(1.0), 2)
+  updates, state = _window(
+    tx, [jnp.float32(3.0), jnp.float32(-1.0)], True, GRADS[:2]
+  )
+  expected = jax.tree.map(lambda a, b: -(3 * a - b) / 2, GRADS[0], GRADS[1])
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+  assert bool(ga_optax.emitted(state))
+
+  for weights in ([2.0, -2.0], [1.0, -3.0]):
+    updates, state = _window(
+      tx, [jnp.float32(w) for w in weights], True, GRADS[:2]
+    )
+    chex.assert_trees_all_equal(updates, optax.tree.zeros_like(PARAMS))
+    assert not bool(ga_optax.emitted(state))
+    chex.assert_tree_all_finite(updates)
+
+
+def test_concrete_negative_weight_is_refused():
+  tx = ga_optax.accumulate(optax.sgd(1.0), 2)
+  with pytest.raises(ValueError, match="weight must be finite and >= 0"):
+    tx.update(GRADS[0], tx.init(PARAMS), PARAMS, weight=jnp.int8(-1))
+
+
+WEIGHT_KINDS: list[tuple[str, Any]] = [
+  ("python-int", lambda value: int(value)),
+  ("python-float", lambda value: float(value)),
+  ("numpy-int8", np.int8),
+  ("numpy-float64", np.float64),
+  ("int8", lambda value: jnp.asarray(value, jnp.int8)),
+  ("int32", lambda value: jnp.asarray(value, jnp.int32)),
+  ("uint8", lambda value: jnp.asarray(value, jnp.uint8)),
+  ("float16", lambda value: jnp.asarray(value, jnp.float16)),
+  ("bfloat16", lambda value: jnp.asarray(value, jnp.bfloat16)),
+  ("numpy-bfloat16", lambda value: np.asarray(value, ml_dtypes.bfloat16)),
+  ("float32", lambda value: jnp.asarray(value, jnp.float32)),
+]
+
+
+# Every kind traced under jit; a few also concrete, eagerly (eager calls of
+# tx.update are slow, so not all of them).
+EAGER_KINDS = ("python-int", "uint8", "bfloat16")
+
+
+@pytest.mark.parametrize(
+  ("make_weight", "use_jit"),
+  [(kind, True) for _, kind in WEIGHT_KINDS]
+  + [(kind, False) for name, kind in WEIGHT_KINDS if name in EAGER_KINDS],
+  ids=[f"jit-{name}" for name, _ in WEIGHT_KINDS]
+  + [f"eager-{name}" for name, _ in WEIGHT_KINDS if name in EAGER_KINDS],
+)
+def test_weights_of_every_numeric_dtype(make_weight, use_jit):
+  # Integers every dtype holds exactly, uint8's 120 included.
+  raw_weights = [3, 120, 5]
+  tx = ga_optax.accumulate(optax.sgd(1.0), 3)
+  updates, state = _window(
+    tx, [make_weight(value) for value in raw_weights], use_jit
+  )
+  expected = jax.tree.map(
+    lambda *gs: (
+      -sum(
+        w * np.asarray(g, np.float64)
+        for w, g in zip(raw_weights, gs, strict=True)
+      )
+      / sum(raw_weights)
+    ),
+    *GRADS,
+  )
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+  chex.assert_trees_all_equal_dtypes(updates, PARAMS)
+  assert state.weight_sum.dtype == jnp.float32
+  assert float(state.weight_sum) == 0.0

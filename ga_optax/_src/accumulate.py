@@ -167,14 +167,14 @@ def _window_functions(
       scale = scale.astype(accumulator_dtype)
 
     def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
-      total = total + _weighted(grad, weight, accumulator_dtype)
+      added = total + _weighted(grad, weight, accumulator_dtype)
+      if skip_nonfinite:
+        added = jnp.where(accepted, added, total)
       if local and reduction == "mean":
-        total = total * scale
-      return total
+        added = added * scale
+      return added
 
     accumulator = jax.tree.map(add_grad, state.accumulator, grads)
-    if skip_nonfinite:
-      accumulator = optax.tree.where(accepted, accumulator, state.accumulator)
 
     inner_updates_shape = jax.eval_shape(
       lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]

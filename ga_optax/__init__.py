@@ -3,16 +3,27 @@
 from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
 from ga_optax._src.batchnorm import combine_batch_stats
 from ga_optax._src.flax_utils import applied_updates, apply_gradients
+from ga_optax._src.fused import FusedAccumulation, accumulate_and_apply
 from ga_optax._src.microbatch import microbatched_value_and_grad
+from ga_optax._src.planner import (
+  MicrobatchPlan,
+  micro_step_bytes,
+  plan_microbatch,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
   "AccumulateState",
+  "FusedAccumulation",
+  "MicrobatchPlan",
   "accumulate",
+  "accumulate_and_apply",
   "applied_updates",
   "apply_gradients",
   "combine_batch_stats",
   "emitted",
+  "micro_step_bytes",
   "microbatched_value_and_grad",
+  "plan_microbatch",
 ]

@@ -10,6 +10,7 @@ schedules do not move.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -58,6 +59,203 @@ def _all_finite(tree: Any) -> jax.Array:
   if not leaves:
     return jnp.asarray(True)
   return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]).all()
+
+
+def _zeros_if(condition: jax.Array, tree: Any) -> Any:
+  """``tree``, or zeros of its shape where ``condition`` holds.
+
+  A loop that runs once or never, rather than a select or a conditional: its
+  carry is updated in place, so a step that does not zero the tree neither
+  reads nor writes it, and the tree needs no second buffer.
+  """
+
+  def zero(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
+    return jnp.asarray(False), optax.tree.zeros_like(carry[1])
+
+  return jax.lax.while_loop(
+    lambda carry: carry[0], zero, (jnp.asarray(condition), tree)
+  )[1]
+
+
+def _window_functions(
+  optimizer: optax.GradientTransformation,
+  every_k: every_k_lib.EveryK,
+  *,
+  reduction: str,
+  accumulator_dtype: Any,
+  skip_nonfinite: bool,
+  axis_name: Any,
+) -> tuple[Callable[..., AccumulateState], Callable[..., Any]]:
+  """Checks the arguments; returns the init function and the micro-step.
+
+  Shared by :func:`accumulate` and the fused path, so both take the same
+  arguments, raise the same errors and keep the same state.
+
+  The micro-step returns the updates (``apply_to_params=False``, the
+  ``GradientTransformation`` path) or, for the fused path, the new params
+  with the updates applied inside the closing branch.
+
+  How buffers flow decides the cost (see docs/benchmarks.md): the gradient is
+  added into the accumulator outside any conditional, in place; the
+  conditional reads the accumulator but does not return it, and takes the
+  inner state (and, fused, the params) as operands that the open branch
+  hands back untouched, so XLA aliases them with no copy; the accumulator is
+  zeroed after the conditional by :func:`_zeros_if`, ordered after it
+  through the ``stepped`` flag that the conditional returns.
+  """
+  inner = validation.check_optimizer(optimizer)
+  schedule = every_k_lib.as_schedule(every_k)
+  reduction = validation.check_reduction(reduction)
+  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  axis_name = validation.check_axis_name(axis_name)
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
+  # Weight sums count tokens; bfloat16 would round them from 256 on.
+  weight_dtype = jnp.promote_types(accumulator_dtype, jnp.float32)
+
+  def init_fn(params: optax.Params) -> AccumulateState:
+    return AccumulateState(
+      micro_step=jnp.zeros((), jnp.int32),
+      update_step=jnp.zeros((), jnp.int32),
+      num_skipped=jnp.zeros((), jnp.int32),
+      emitted=jnp.zeros((), jnp.bool_),
+      weight_sum=jnp.zeros((), weight_dtype),
+      accumulator=optax.tree.zeros_like(params, dtype=accumulator_dtype),
+      inner_state=inner.init(params),
+    )
+
+  def window_step(
+    grads: optax.Updates,
+    state: AccumulateState,
+    params: optax.Params | None,
+    *,
+    weight: Any,
+    flush: Any,
+    extra_args: dict[str, Any],
+    apply_to_params: bool,
+  ) -> tuple[Any, AccumulateState]:
+    if not isinstance(state, AccumulateState):
+      raise TypeError(
+        "state must be the AccumulateState made by this transformation's"
+        " init (or restored into its structure), got"
+        f" {type(state).__name__}."
+      )
+    validation.check_grads_match(grads, state.accumulator)
+    weight = validation.check_weight(weight)
+    flush = validation.check_flush(flush)
+
+    weight_sum = state.weight_sum + jnp.asarray(weight, weight_dtype)
+    accepted = jnp.asarray(True)
+    if skip_nonfinite:
+      accepted = _all_finite(grads)
+      if axis_name is not None:
+        accepted = jax.lax.pmin(accepted.astype(jnp.int32), axis_name) > 0
+      weight_sum = jnp.where(accepted, weight_sum, state.weight_sum)
+
+    micro_step = _increment_if(state.micro_step, accepted)
+    closes = (micro_step >= schedule(state.update_step)) | flush
+    # Without a device axis the window's weight is known here, so an empty
+    # window (a flush with no weight) takes the open branch and the closing
+    # branch needs no nested conditional (which would need its own output
+    # buffers); the mean is also formed here, by the same loop that adds the
+    # gradient, so the optimizer reads it from the accumulator's buffer.
+    local = axis_name is None
+    steps = closes & (weight_sum > 0) if local else closes
+    scale = jnp.ones((), accumulator_dtype)
+    if local and reduction == "mean":
+      scale = jnp.where(steps, 1.0 / jnp.where(steps, weight_sum, 1.0), 1.0)
+      scale = scale.astype(accumulator_dtype)
+
+    def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
+      added = total + _weighted(grad, weight, accumulator_dtype)
+      if skip_nonfinite:
+        added = jnp.where(accepted, added, total)
+      if local and reduction == "mean":
+        added = added * scale
+      return added
+
+    accumulator = jax.tree.map(add_grad, state.accumulator, grads)
+
+    inner_updates_shape = jax.eval_shape(
+      lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]
+    )
+
+    def unchanged(params, inner_state):
+      # The open branch writes nothing but, on the transformation path, the
+      # zero updates that the API promises.
+      if apply_to_params:
+        return params, inner_state, jnp.asarray(False)
+      zeros = optax.tree.zeros_like(inner_updates_shape)
+      return zeros, inner_state, jnp.asarray(False)
+
+    def keep_window_open(params, accumulator, inner_state):
+      del accumulator
+      return unchanged(params, inner_state)
+
+    def close_window(params, accumulator, inner_state):
+      accumulator, total_weight = distributed.sum_across_devices(
+        (accumulator, weight_sum), axis_name
+      )
+      if not local and reduction == "mean":
+        # The guard keeps a window without weight from computing 0 / 0; such
+        # a window does not step the inner optimizer anyway.
+        device_scale = 1.0 / jnp.where(total_weight > 0, total_weight, 1.0)
+        accumulator = jax.tree.map(
+          lambda total: total * device_scale.astype(total.dtype), accumulator
+        )
+      reduced = jax.tree.map(
+        lambda total, g: total.astype(g.dtype), accumulator, grads
+      )
+
+      def step_inner(params, inner_state):
+        new_updates, new_inner_state = inner.update(
+          reduced, inner_state, params, **extra_args
+        )
+        if apply_to_params:
+          new_updates = optax.apply_updates(params, new_updates)
+        return new_updates, new_inner_state, jnp.asarray(True)
+
+      if local:
+        return step_inner(params, inner_state)
+      # Only here is the window's total weight known: a nested conditional
+      # (with its own output buffers) keeps an empty window from stepping.
+      return jax.lax.cond(
+        total_weight > 0, step_inner, unchanged, params, inner_state
+      )
+
+    output, inner_state, stepped = jax.lax.cond(
+      steps,
+      close_window,
+      keep_window_open,
+      params,
+      accumulator,
+      state.inner_state,
+    )
+    new_state = AccumulateState(
+      micro_step=jnp.where(closes, 0, micro_step),
+      update_step=_increment_if(state.update_step, stepped),
+      num_skipped=_increment_if(state.num_skipped, ~accepted),
+      emitted=stepped,
+      weight_sum=jnp.where(closes, jnp.zeros_like(weight_sum), weight_sum),
+      # `stepped` implies `closes`; reading it orders the zeroing after the
+      # conditional's last read of the accumulator, so both share a buffer.
+      accumulator=_zeros_if(closes | stepped, accumulator),
+      inner_state=inner_state,
+    )
+    return output, new_state
+
+  return init_fn, window_step
+
+
+def _weighted(grad: jax.Array, weight: Any, dtype: Any) -> jax.Array:
+  """``weight * grad`` in ``dtype``: a plain cast for weight 1, zeros for 0."""
+  grad = grad.astype(dtype)
+  if isinstance(weight, (int, float)) and weight == 1:
+    return grad
+  weight = jnp.asarray(weight, dtype)
+  # A micro-batch of weight 0 (all padding, say) must add nothing, even
+  # though the gradient of its mean loss is 0 / 0 = NaN: 0 * NaN is NaN.
+  return jnp.where(weight == 0, 0, weight * grad)
 
 
 def accumulate(
@@ -145,26 +343,14 @@ def accumulate(
     >>> updates["w"], bool(ga_optax.emitted(state))
     (Array([-0.2, -0.2, -0.2], dtype=float32), True)
   """
-  inner = validation.check_optimizer(optimizer)
-  schedule = every_k_lib.as_schedule(every_k)
-  reduction = validation.check_reduction(reduction)
-  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
-  axis_name = validation.check_axis_name(axis_name)
-  if not isinstance(skip_nonfinite, bool):
-    raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
-  # Weight sums count tokens; bfloat16 would round them from 256 on.
-  weight_dtype = jnp.promote_types(accumulator_dtype, jnp.float32)
-
-  def init_fn(params: optax.Params) -> AccumulateState:
-    return AccumulateState(
-      micro_step=jnp.zeros((), jnp.int32),
-      update_step=jnp.zeros((), jnp.int32),
-      num_skipped=jnp.zeros((), jnp.int32),
-      emitted=jnp.zeros((), jnp.bool_),
-      weight_sum=jnp.zeros((), weight_dtype),
-      accumulator=optax.tree.zeros_like(params, dtype=accumulator_dtype),
-      inner_state=inner.init(params),
-    )
+  init_fn, window_step = _window_functions(
+    optimizer,
+    every_k,
+    reduction=reduction,
+    accumulator_dtype=accumulator_dtype,
+    skip_nonfinite=skip_nonfinite,
+    axis_name=axis_name,
+  )
 
   def update_fn(
     updates: optax.Updates,
@@ -175,100 +361,15 @@ def accumulate(
     flush: Any = False,
     **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
-    grads = updates
-    if not isinstance(state, AccumulateState):
-      raise TypeError(
-        "state must be the AccumulateState made by this transformation's"
-        " init (or restored into its structure), got"
-        f" {type(state).__name__}."
-      )
-    validation.check_grads_match(grads, state.accumulator)
-    weight = validation.check_weight(weight)
-    flush = validation.check_flush(flush)
-
-    weighted = grads
-    if not (isinstance(weight, (int, float)) and weight == 1):
-      weight_array = jnp.asarray(weight, accumulator_dtype)
-      # A micro-batch of weight 0 (all padding, say) must add nothing, even
-      # though the gradient of its mean loss is 0 / 0 = NaN: 0 * NaN is NaN.
-      weighted = jax.tree.map(
-        lambda g: jnp.where(
-          weight_array == 0, 0, weight_array * g.astype(accumulator_dtype)
-        ),
-        grads,
-      )
-    accumulator = jax.tree.map(
-      lambda total, g: total + g.astype(accumulator_dtype),
-      state.accumulator,
-      weighted,
+    return window_step(
+      updates,
+      state,
+      params,
+      weight=weight,
+      flush=flush,
+      extra_args=extra_args,
+      apply_to_params=False,
     )
-    weight_sum = state.weight_sum + jnp.asarray(weight, weight_dtype)
-    accepted = jnp.asarray(True)
-    if skip_nonfinite:
-      accepted = _all_finite(grads)
-      if axis_name is not None:
-        accepted = jax.lax.pmin(accepted.astype(jnp.int32), axis_name) > 0
-      accumulator = optax.tree.where(accepted, accumulator, state.accumulator)
-      weight_sum = jnp.where(accepted, weight_sum, state.weight_sum)
-
-    micro_step = _increment_if(state.micro_step, accepted)
-    closes = (micro_step >= schedule(state.update_step)) | flush
-
-    inner_updates_shape = jax.eval_shape(
-      lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]
-    )
-
-    def no_update(inner_state):
-      zeros = optax.tree.zeros_like(inner_updates_shape)
-      return zeros, inner_state, jnp.asarray(False)
-
-    def keep_window_open(accumulator, weight_sum, inner_state):
-      del accumulator, weight_sum
-      return no_update(inner_state)
-
-    def close_window(accumulator, weight_sum, inner_state):
-      accumulator, weight_sum = distributed.sum_across_devices(
-        (accumulator, weight_sum), axis_name
-      )
-      if reduction == "mean":
-        # The guard keeps a window without weight from computing 0 / 0; such
-        # a window does not step the inner optimizer anyway.
-        scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
-        accumulator = jax.tree.map(
-          lambda total: total * scale.astype(total.dtype), accumulator
-        )
-      reduced = jax.tree.map(
-        lambda total, g: total.astype(g.dtype), accumulator, grads
-      )
-
-      def step_inner(inner_state):
-        new_updates, new_inner_state = inner.update(
-          reduced, inner_state, params, **extra_args
-        )
-        return new_updates, new_inner_state, jnp.asarray(True)
-
-      return jax.lax.cond(weight_sum > 0, step_inner, no_update, inner_state)
-
-    new_updates, inner_state, stepped = jax.lax.cond(
-      closes,
-      close_window,
-      keep_window_open,
-      accumulator,
-      weight_sum,
-      state.inner_state,
-    )
-    new_state = AccumulateState(
-      micro_step=jnp.where(closes, 0, micro_step),
-      update_step=_increment_if(state.update_step, stepped),
-      num_skipped=_increment_if(state.num_skipped, ~accepted),
-      emitted=stepped,
-      weight_sum=jnp.where(closes, jnp.zeros_like(weight_sum), weight_sum),
-      accumulator=optax.tree.where(
-        closes, optax.tree.zeros_like(accumulator), accumulator
-      ),
-      inner_state=inner_state,
-    )
-    return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

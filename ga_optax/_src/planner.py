@@ -1,0 +1,305 @@
+"""The memory planner: the largest micro-batch that fits, from XLA's analysis.
+
+Instead of trying batch sizes until one runs out of memory, the planner
+compiles the accumulation micro-step for candidate micro-batch sizes on
+abstract inputs (nothing is allocated or run) and reads the bytes the
+executable needs from ``compiled.memory_analysis()``. A binary search over
+sizes finds the largest that fits the budget; ``every_k`` follows from the
+global batch wanted.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from ga_optax._src import accumulate as accumulate_lib
+
+LossFn = Callable[..., Any]
+
+
+class MicrobatchPlan(NamedTuple):
+  """What :func:`plan_microbatch` found.
+
+  Attributes:
+    microbatch_size: the largest micro-batch size that fits the budget (a
+      divisor of ``global_batch`` when one was given).
+    every_k: micro-steps per window, ``global_batch // microbatch_size``;
+      None when no ``global_batch`` was given.
+    compiled_bytes: device bytes the micro-step needs at that size
+      (see :func:`micro_step_bytes`).
+    next_size: the next candidate size up, which does not fit; None when
+      ``microbatch_size`` is already the largest candidate.
+    next_size_bytes: device bytes the micro-step needs at ``next_size``.
+    memory_budget_bytes: the budget planned for.
+  """
+
+  microbatch_size: int
+  every_k: int | None
+  compiled_bytes: int
+  next_size: int | None
+  next_size_bytes: int | None
+  memory_budget_bytes: int
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(
+      f"{name} must be a positive int, got {value!r} of type"
+      f" {type(value).__name__}."
+    )
+  if value < 1:
+    raise ValueError(f"{name} must be a positive int (>= 1), got {value!r}.")
+  return int(value)
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(
+    lambda leaf: jax.ShapeDtypeStruct(jax.numpy.shape(leaf), leaf.dtype), tree
+  )
+
+
+def _batch_of_size(example_batch: Any, size: int) -> Any:
+  """Abstract ``example_batch`` with its leading (batch) axis set to size."""
+  leaves = jax.tree.leaves(example_batch)
+  if not leaves:
+    raise ValueError("example_batch must hold at least one array, got none.")
+  for leaf in leaves:
+    if not hasattr(leaf, "shape") or len(leaf.shape) == 0:
+      raise ValueError(
+        "example_batch leaves must be arrays with a leading batch axis, got"
+        f" a leaf of shape {getattr(leaf, 'shape', None)!r}."
+      )
+  leading = {leaf.shape[0] for leaf in leaves}
+  if len(leading) != 1:
+    raise ValueError(
+      "example_batch leaves must share their leading (batch) axis, got"
+      f" sizes {sorted(leading)}."
+    )
+  return jax.tree.map(
+    lambda leaf: jax.ShapeDtypeStruct((size, *leaf.shape[1:]), leaf.dtype),
+    example_batch,
+  )
+
+
+def micro_step_bytes(
+  loss_fn: LossFn,
+  params: optax.Params,
+  example_batch: Any,
+  microbatch_size: int,
+  *,
+  optimizer: optax.GradientTransformation | None = None,
+  has_aux: bool = False,
+) -> int:
+  """Device bytes one accumulation micro-step needs, from compilation alone.
+
+  The micro-step is the gradient of ``loss_fn`` on a micro-batch plus, with
+  ``optimizer``, ``ga_optax.accumulate(optimizer, k).update`` and
+  ``optax.apply_updates``; without it, an add of the gradient into a float32
+  accumulator. Params and state are donated, as in a training loop. The
+  bytes are those of XLA's memory analysis: arguments, plus outputs that do
+  not reuse an argument's buffer, plus temporaries.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning a scalar (or
+      ``(scalar, aux)`` with ``has_aux=True``).
+    params: the params, arrays or ``jax.ShapeDtypeStruct``.
+    example_batch: a batch pytree whose leaves share a leading batch axis
+      (any size); only shapes and dtypes are used.
+    microbatch_size: the leading-axis size to compile for.
+    optimizer: the optimizer that ``accumulate`` wraps, or None.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    The number of bytes, an int.
+
+  Example:
+    >>> import jax.numpy as jnp, ga_optax
+    >>> loss_fn = lambda w, batch: jnp.mean((batch["x"] @ w) ** 2)
+    >>> batch = {"x": jnp.ones((4, 8))}
+    >>> small = ga_optax.micro_step_bytes(loss_fn, jnp.ones((8, 2)), batch, 1)
+    >>> large = ga_optax.micro_step_bytes(loss_fn, jnp.ones((8, 2)), batch, 64)
+    >>> small < large
+    True
+  """
+  microbatch_size = _check_positive_int(microbatch_size, "microbatch_size")
+  abstract_params = _abstract(params)
+  batch = _batch_of_size(example_batch, microbatch_size)
+  grad_fn = jax.grad(loss_fn, has_aux=has_aux)
+
+  def gradient(params, batch):
+    grads = grad_fn(params, batch)
+    return grads[0] if has_aux else grads
+
+  if optimizer is None:
+
+    def step(params, accumulator, batch):
+      grads = gradient(params, batch)
+      return jax.tree.map(
+        lambda total, g: total + g.astype(total.dtype), accumulator, grads
+      )
+
+    state = jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jax.numpy.float32),
+      abstract_params,
+    )
+    donate: tuple[int, ...] = (1,)
+  else:
+    # k does not change what a micro-step holds; 2 keeps both branches.
+    tx = accumulate_lib.accumulate(optimizer, 2)
+
+    def step(params, state, batch):
+      updates, state = tx.update(gradient(params, batch), state, params)
+      return optax.apply_updates(params, updates), state
+
+    state = jax.eval_shape(tx.init, abstract_params)
+    donate = (0, 1)
+  compiled = (
+    jax.jit(step, donate_argnums=donate)
+    .lower(abstract_params, state, batch)
+    .compile()
+  )
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    raise RuntimeError(
+      f"The {jax.default_backend()} backend gives no compiled memory"
+      " analysis, so micro_step_bytes cannot measure the micro-step."
+    )
+  return int(
+    analysis.argument_size_in_bytes
+    + analysis.output_size_in_bytes
+    - analysis.alias_size_in_bytes
+    + analysis.temp_size_in_bytes
+  )
+
+
+def plan_microbatch(
+  loss_fn: LossFn,
+  params: optax.Params,
+  example_batch: Any,
+  memory_budget_bytes: int,
+  *,
+  global_batch: int | None = None,
+  optimizer: optax.GradientTransformation | None = None,
+  max_microbatch: int = 65536,
+  has_aux: bool = False,
+) -> MicrobatchPlan:
+  """Finds the largest micro-batch that fits a memory budget, and its k.
+
+  Compiles (never runs) the micro-step of :func:`micro_step_bytes` for
+  candidate sizes and binary-searches the largest whose bytes are at most
+  ``memory_budget_bytes``: every divisor of ``global_batch`` when it is
+  given (so that ``every_k * microbatch_size == global_batch``), else every
+  size up to ``max_microbatch``. The search assumes that bytes grow with the
+  micro-batch size, as activations do; the plan reports the next size up,
+  which does not fit, so the boundary can be checked.
+
+  Leave headroom in the budget for what the analysis does not see: the
+  runtime's own allocations, fragmentation, and other live arrays.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning a scalar (or
+      ``(scalar, aux)`` with ``has_aux=True``), the mean over the batch.
+    params: the params, arrays or ``jax.ShapeDtypeStruct``.
+    example_batch: a batch pytree whose leaves share a leading batch axis;
+      only shapes and dtypes are used.
+    memory_budget_bytes: the device bytes one micro-step may use.
+    global_batch: the effective batch wanted; the plan's ``every_k`` then
+      reaches it exactly.
+    optimizer: the optimizer that ``ga_optax.accumulate`` will wrap (its
+      state counts against the budget), or None for gradient accumulation
+      alone.
+    max_microbatch: the largest size tried when ``global_batch`` is None.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    A :class:`MicrobatchPlan`.
+
+  Raises:
+    TypeError: a size or the budget is not an int.
+    ValueError: a size or the budget is below 1, ``example_batch`` has no
+      common leading axis, or not even a micro-batch of 1 fits the budget.
+
+  Example:
+    >>> import jax.numpy as jnp, ga_optax
+    >>> loss_fn = lambda w, batch: jnp.mean((batch["x"] @ w) ** 2)
+    >>> params, batch = jnp.ones((256, 256)), {"x": jnp.ones((1, 256))}
+    >>> budget = ga_optax.micro_step_bytes(loss_fn, params, batch, 32)
+    >>> plan = ga_optax.plan_microbatch(
+    ...     loss_fn, params, batch, budget, global_batch=256)
+    >>> plan.microbatch_size * plan.every_k
+    256
+    >>> plan.compiled_bytes <= budget < plan.next_size_bytes
+    True
+  """
+  budget = _check_positive_int(memory_budget_bytes, "memory_budget_bytes")
+  if global_batch is not None:
+    global_batch = _check_positive_int(global_batch, "global_batch")
+    candidates = [
+      size for size in range(1, global_batch + 1) if global_batch % size == 0
+    ]
+  else:
+    max_microbatch = _check_positive_int(max_microbatch, "max_microbatch")
+    candidates = None
+  _batch_of_size(example_batch, 1)  # Checks the batch before compiling.
+
+  measured: dict[int, int] = {}
+
+  def bytes_at(size: int) -> int:
+    if size not in measured:
+      measured[size] = micro_step_bytes(
+        loss_fn,
+        params,
+        example_batch,
+        size,
+        optimizer=optimizer,
+        has_aux=has_aux,
+      )
+    return measured[size]
+
+  sizes = candidates or _SizesUpTo(max_microbatch)
+  if bytes_at(sizes[0]) > budget:
+    raise ValueError(
+      f"memory_budget_bytes={budget} is below what a micro-batch of"
+      f" {sizes[0]} needs ({bytes_at(sizes[0])} bytes): raise the budget,"
+      " shrink the model or rematerialise activations (jax.checkpoint)."
+    )
+  # Invariant: sizes[low] fits; sizes[high] does not, or high is past the end.
+  low, high = 0, len(sizes)
+  probe = 1
+  while probe < high and bytes_at(sizes[probe]) <= budget:
+    low, probe = probe, min(2 * probe, high)
+  high = min(high, probe) if probe < len(sizes) else high
+  while high - low > 1:
+    middle = (low + high) // 2
+    if bytes_at(sizes[middle]) <= budget:
+      low = middle
+    else:
+      high = middle
+  size = sizes[low]
+  next_size = sizes[high] if high < len(sizes) else None
+  return MicrobatchPlan(
+    microbatch_size=size,
+    every_k=None if global_batch is None else global_batch // size,
+    compiled_bytes=bytes_at(size),
+    next_size=next_size,
+    next_size_bytes=None if next_size is None else bytes_at(next_size),
+    memory_budget_bytes=budget,
+  )
+
+
+class _SizesUpTo:
+  """The sizes 1..stop as a sequence, without building the list."""
+
+  def __init__(self, stop: int) -> None:
+    self._stop = stop
+
+  def __len__(self) -> int:
+    return self._stop
+
+  def __getitem__(self, index: int) -> int:
+    return index + 1

@@ -1,0 +1,243 @@
+"""Tests of ga_optax.accumulate_and_apply, the fused path.
+
+Its claim is an equivalence: ``fused.apply(params, grads, state)`` gives the
+params and state of ``accumulate`` + ``optax.apply_updates``, call after call,
+whatever the weights, flushes and non-finite micro-steps.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ga_optax
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+OPTIMIZERS = {
+  "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "adam_schedule": lambda: optax.adam(optax.linear_schedule(1e-2, 1e-3, 5)),
+  "clip_adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(0.5), optax.adamw(1e-2)
+  ),
+}
+
+
+def _params() -> dict[str, jax.Array]:
+  return {"w": jnp.ones((3, 4)), "b": jnp.zeros((4,))}
+
+
+def _grads(seed: int, nonfinite: bool = False) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(seed)
+  grads = {
+    "w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+  }
+  if nonfinite:
+    grads["w"] = grads["w"].at[0, 0].set(jnp.nan)
+  return grads
+
+
+def _run_both(optimizer_name, every_k, calls, use_jit, **kwargs):
+  """Runs ``calls`` (grads, weight, flush) through both paths."""
+  tx = ga_optax.accumulate(OPTIMIZERS[optimizer_name](), every_k, **kwargs)
+  fused = ga_optax.accumulate_and_apply(
+    OPTIMIZERS[optimizer_name](), every_k, **kwargs
+  )
+
+  def reference_step(params, state, grads, weight, flush):
+    updates, state = tx.update(grads, state, params, weight=weight, flush=flush)
+    return optax.apply_updates(params, updates), state
+
+  def fused_step(params, state, grads, weight, flush):
+    return fused.apply(params, grads, state, weight=weight, flush=flush)
+
+  if use_jit:
+    reference_step = jax.jit(reference_step)
+    fused_step = jax.jit(fused_step)
+  reference = (_params(), tx.init(_params()))
+  actual = (_params(), fused.init(_params()))
+  for grads, weight, flush in calls:
+    weight = jnp.asarray(weight, jnp.float32)
+    flush = jnp.asarray(flush)
+    reference = reference_step(*reference, grads, weight, flush)
+    actual = fused_step(*actual, grads, weight, flush)
+    chex.assert_trees_all_close(actual, reference, rtol=1e-6, atol=1e-7)
+  return actual, reference
+
+
+@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "nojit"])
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+@hypothesis.settings(max_examples=6, deadline=None)
+@hypothesis.given(
+  every_k=st.integers(1, 3),
+  plan=st.lists(
+    st.tuples(st.sampled_from([0.0, 0.5, 1.0, 3.0]), st.booleans()),
+    min_size=1,
+    max_size=7,
+  ),
+)
+def test_matches_accumulate_then_apply_updates(
+  use_jit, optimizer_name, every_k, plan
+):
+  calls = [
+    (_grads(seed), weight, flush) for seed, (weight, flush) in enumerate(plan)
+  ]
+  actual, _ = _run_both(optimizer_name, every_k, calls, use_jit)
+  chex.assert_type(actual[1].micro_step, jnp.int32)
+
+
+@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "nojit"])
+def test_skip_nonfinite_matches_accumulate(use_jit):
+  calls = [
+    (_grads(seed, nonfinite=seed in (1, 4)), 1.0, False) for seed in range(7)
+  ]
+  actual, _ = _run_both("clip_adamw", 2, calls, use_jit, skip_nonfinite=True)
+  assert int(actual[1].num_skipped) == 2
+  assert int(actual[1].update_step) == 2
+
+
+def test_micro_step_leaves_params_bit_identical():
+  fused = ga_optax.accumulate_and_apply(optax.adam(1e-2), 3)
+  params = _params()
+  state = fused.init(params)
+  new_params, state = jax.jit(fused.apply)(params, _grads(0), state)
+  chex.assert_trees_all_equal(new_params, params)
+  assert not bool(ga_optax.emitted(state))
+
+
+def test_donated_params_and_state_step_in_place():
+  fused = ga_optax.accumulate_and_apply(optax.adam(1e-2), 2)
+  step = jax.jit(fused.apply, donate_argnums=(0, 2))
+  params, state = _params(), fused.init(_params())
+  tx = ga_optax.accumulate(optax.adam(1e-2), 2)
+  expected_params, expected_state = _params(), tx.init(_params())
+  for seed in range(4):
+    params, state = step(params, _grads(seed), state)
+    updates, expected_state = tx.update(
+      _grads(seed), expected_state, expected_params
+    )
+    expected_params = optax.apply_updates(expected_params, updates)
+  chex.assert_trees_all_close(
+    (params, state), (expected_params, expected_state), rtol=1e-6
+  )
+
+
+def test_state_is_that_of_accumulate():
+  fused = ga_optax.accumulate_and_apply(optax.adam(1e-2), 4)
+  tx = ga_optax.accumulate(optax.adam(1e-2), 4)
+  state = fused.init(_params())
+  assert isinstance(state, ga_optax.AccumulateState)
+  chex.assert_trees_all_equal(state, tx.init(_params()))
+  # A state saved by one path continues in the other.
+  _, state = tx.update(_grads(0), state, _params())
+  params, state = fused.apply(_params(), _grads(1), state)
+  assert int(state.micro_step) == 2
+  chex.assert_trees_all_equal(params, _params())
+
+
+def test_extra_args_reach_the_optimizer():
+  optimizer = optax.chain(
+    optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5)
+  )
+  fused = ga_optax.accumulate_and_apply(optimizer, 1)
+  tx = ga_optax.accumulate(optimizer, 1)
+  params, state = _params(), fused.init(_params())
+  expected_params, expected_state = _params(), tx.init(_params())
+  for seed, value in enumerate([1.0, 2.0, 3.0]):
+    params, state = fused.apply(params, _grads(seed), state, value=value)
+    updates, expected_state = tx.update(
+      _grads(seed), expected_state, expected_params, value=value
+    )
+    expected_params = optax.apply_updates(expected_params, updates)
+  chex.assert_trees_all_close(params, expected_params, rtol=1e-6)
+
+
+def test_bad_arguments_raise_like_accumulate():
+  with pytest.raises(ValueError, match="every_k"):
+    ga_optax.accumulate_and_apply(optax.sgd(0.1), 0)
+  with pytest.raises(ValueError, match="reduction"):
+    ga_optax.accumulate_and_apply(optax.sgd(0.1), 2, reduction="max")
+  with pytest.raises(TypeError, match="optimizer"):
+    ga_optax.accumulate_and_apply(lambda g: g, 2)
+  fused = ga_optax.accumulate_and_apply(optax.sgd(0.1), 2)
+  state = fused.init(_params())
+  with pytest.raises(ValueError, match="grads"):
+    fused.apply(_params(), {"w": jnp.ones((3, 4))}, state)
+  with pytest.raises(ValueError, match="weight"):
+    fused.apply(_params(), _grads(0), state, weight=-1.0)
+
+
+_DATA_PARALLEL_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, optax, chex
+from jax.sharding import NamedSharding, PartitionSpec as P
+import ga_optax
+
+mesh = jax.make_mesh((4,), ("data",))
+sharding = NamedSharding(mesh, P("data"))
+
+
+def loss(params, x, y):
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+fused = ga_optax.accumulate_and_apply(optax.adam(1e-2), 3, axis_name="data")
+
+
+def step(params, state, x, y, flush):
+  grads = jax.grad(loss)(params, x, y)
+  return fused.apply(params, grads, state, flush=flush)
+
+
+sharded = jax.jit(jax.shard_map(
+    step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data"), P()),
+    out_specs=(P(), P()), check_vma=False))
+tx = ga_optax.accumulate(optax.adam(1e-2), 3)
+rng = np.random.default_rng(0)
+params = {"w": jnp.ones((3, 2)), "b": jnp.zeros((2,))}
+state = fused.init(params)
+expected_params, expected_state = params, tx.init(params)
+for micro_step in range(7):
+  x = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+  y = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+  flush = jnp.asarray(micro_step == 4)
+  params, state = sharded(
+      params, state, jax.device_put(x, sharding), jax.device_put(y, sharding),
+      flush)
+  updates, expected_state = tx.update(
+      jax.grad(loss)(expected_params, x, y), expected_state, expected_params,
+      flush=flush)
+  expected_params = optax.apply_updates(expected_params, updates)
+  chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-6)
+assert int(state.update_step) == int(expected_state.update_step) == 2
+print("data-parallel fused path matches")
+"""
+
+
+def test_data_parallel_matches_one_device():
+  # Simulated devices must be requested before jax starts: a fresh process.
+  environment = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *sys.path]),
+  }
+  result = subprocess.run(
+    [sys.executable, "-c", _DATA_PARALLEL_SCRIPT],
+    env=environment,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "data-parallel fused path matches" in result.stdout

@@ -1,0 +1,156 @@
+"""Tests of the memory planner, checked against XLA's analysis itself.
+
+Every claim of a plan is re-derived here from ``micro_step_bytes`` (which
+is XLA's compiled memory analysis): the chosen size fits the budget, the
+next candidate size up does not, and ``every_k`` reaches the global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import ga_optax
+
+WIDTH = 128
+
+
+def _loss_fn(params, batch):
+  hidden = jnp.tanh(batch["x"] @ params["w1"])
+  return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def _params():
+  return {"w1": jnp.ones((WIDTH, 4 * WIDTH)), "w2": jnp.ones((4 * WIDTH, 8))}
+
+
+def _batch(size: int = 3):
+  return {"x": jnp.ones((size, WIDTH)), "y": jnp.ones((size, 8))}
+
+
+@functools.cache
+def _bytes(size: int, with_optimizer: bool = False) -> int:
+  return ga_optax.micro_step_bytes(
+    _loss_fn,
+    _params(),
+    _batch(),
+    size,
+    optimizer=optax.adam(1e-3) if with_optimizer else None,
+  )
+
+
+def test_bytes_grow_with_the_microbatch_and_the_optimizer_state():
+  assert _bytes(1) < _bytes(64) < _bytes(1024)
+  assert _bytes(64) < _bytes(64, with_optimizer=True)
+
+
+def test_plan_is_the_largest_size_within_budget():
+  budget = (_bytes(40) + _bytes(41)) // 2 if _bytes(41) > _bytes(40) else None
+  budget = budget or _bytes(40)
+  plan = ga_optax.plan_microbatch(
+    _loss_fn, _params(), _batch(), budget, max_microbatch=4096
+  )
+  assert plan.every_k is None
+  assert plan.compiled_bytes == _bytes(plan.microbatch_size) <= budget
+  assert plan.next_size == plan.microbatch_size + 1
+  assert plan.next_size_bytes == _bytes(plan.next_size) > budget
+  assert plan.microbatch_size >= 40
+
+
+def test_plan_reaches_the_global_batch_with_a_divisor():
+  global_batch = 96
+  budget = _bytes(20)
+  plan = ga_optax.plan_microbatch(
+    _loss_fn, _params(), _batch(), budget, global_batch=global_batch
+  )
+  assert global_batch % plan.microbatch_size == 0
+  assert plan.every_k * plan.microbatch_size == global_batch
+  assert plan.compiled_bytes == _bytes(plan.microbatch_size) <= budget
+  divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+  following = divisors[divisors.index(plan.microbatch_size) + 1]
+  assert plan.next_size == following
+  assert _bytes(following) > budget
+
+
+def test_whole_batch_fits_means_k_equal_one():
+  plan = ga_optax.plan_microbatch(
+    _loss_fn, _params(), _batch(), _bytes(16) + 1, global_batch=16
+  )
+  assert (plan.microbatch_size, plan.every_k, plan.next_size) == (16, 1, None)
+
+
+def test_optimizer_state_counts_against_the_budget():
+  budget = _bytes(64, with_optimizer=False)
+  plain = ga_optax.plan_microbatch(
+    _loss_fn, _params(), _batch(), budget, global_batch=64
+  )
+  with_adam_budget = _bytes(64, with_optimizer=True)
+  with_adam = ga_optax.plan_microbatch(
+    _loss_fn,
+    _params(),
+    _batch(),
+    with_adam_budget,
+    global_batch=64,
+    optimizer=optax.adam(1e-3),
+  )
+  assert plain.microbatch_size == 64
+  assert with_adam.microbatch_size == 64
+  assert with_adam.compiled_bytes > plain.compiled_bytes
+
+
+def test_abstract_params_plan_like_concrete_ones():
+  abstract = jax.tree.map(
+    lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), _params()
+  )
+  assert ga_optax.micro_step_bytes(_loss_fn, abstract, _batch(), 8) == _bytes(8)
+
+
+def test_has_aux_losses_are_planned():
+  def loss_with_aux(params, batch):
+    return _loss_fn(params, batch), {"size": batch["x"].shape[0]}
+
+  assert ga_optax.micro_step_bytes(
+    loss_with_aux, _params(), _batch(), 8, has_aux=True
+  ) == _bytes(8)
+
+
+@pytest.mark.parametrize(
+  ("budget", "error", "match"),
+  [
+    (0, ValueError, "memory_budget_bytes"),
+    (-5, ValueError, "memory_budget_bytes"),
+    (1.5e9, TypeError, "memory_budget_bytes"),
+    (True, TypeError, "memory_budget_bytes"),
+    (1000, ValueError, "micro-batch of 1"),
+  ],
+)
+def test_bad_budgets_raise(budget, error, match):
+  with pytest.raises(error, match=match):
+    ga_optax.plan_microbatch(_loss_fn, _params(), _batch(), budget)
+
+
+def test_bad_batches_and_sizes_raise():
+  budget = _bytes(8)
+  with pytest.raises(ValueError, match="global_batch"):
+    ga_optax.plan_microbatch(
+      _loss_fn, _params(), _batch(), budget, global_batch=0
+    )
+  with pytest.raises(TypeError, match="global_batch"):
+    ga_optax.plan_microbatch(
+      _loss_fn, _params(), _batch(), budget, global_batch=8.0
+    )
+  with pytest.raises(ValueError, match="leading"):
+    ga_optax.plan_microbatch(
+      _loss_fn,
+      _params(),
+      {"x": jnp.ones((3, WIDTH)), "y": jnp.ones((4, 8))},
+      budget,
+    )
+  with pytest.raises(ValueError, match="example_batch"):
+    ga_optax.plan_microbatch(_loss_fn, _params(), {"x": jnp.ones(())}, budget)
+  with pytest.raises(ValueError, match="microbatch_size"):
+    ga_optax.micro_step_bytes(_loss_fn, _params(), _batch(), 0)

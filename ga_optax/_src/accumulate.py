@@ -398,6 +398,17 @@ def emitted(state: Any) -> jax.Array:
     >>> bool(ga_optax.emitted(state))
     True
   """
+  # Flax NNX's Optimizer wraps state leaves in Variables: asarray returns
+  # the plain array (a snapshot, not the live Variable).
+  return jnp.asarray(find_state(state).emitted)
+
+
+def find_state(state: Any) -> AccumulateState:
+  """The one :class:`AccumulateState` inside an optimizer state.
+
+  Raises:
+    ValueError: ``state`` holds no ``AccumulateState``, or several.
+  """
   found = [
     node
     for node in jax.tree.leaves(
@@ -410,6 +421,4 @@ def emitted(state: Any) -> jax.Array:
       "state must hold exactly one AccumulateState (the state of"
       f" ga_optax.accumulate), found {len(found)}."
     )
-  # Flax NNX's Optimizer wraps state leaves in Variables: asarray returns
-  # the plain array (a snapshot, not the live Variable).
-  return jnp.asarray(found[0].emitted)
+  return found[0]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src.accumulate import AccumulateState
+from ga_optax._src import accumulate as accumulate_lib
 
 
 def apply_gradients(state: Any, grads: Any, **update_kwargs: Any) -> Any:
@@ -100,17 +100,5 @@ def applied_updates(state: Any) -> jax.Array:
     >>> int(ga_optax.applied_updates(state))
     2
   """
-  found = [
-    node
-    for node in jax.tree.leaves(
-      state, is_leaf=lambda node: isinstance(node, AccumulateState)
-    )
-    if isinstance(node, AccumulateState)
-  ]
-  if len(found) != 1:
-    raise ValueError(
-      "state must hold exactly one AccumulateState (the state of"
-      f" ga_optax.accumulate), found {len(found)}."
-    )
   # NNX wraps state leaves in Variables; asarray returns the plain array.
-  return jnp.asarray(found[0].update_step)
+  return jnp.asarray(accumulate_lib.find_state(state).update_step)

@@ -58,9 +58,20 @@ class AccumulateTest(parameterized.TestCase):
     chex.assert_trees_all_close(updates, optax.tree.scale(-1.0, mean))
     self.assertEqual(int(state.micro_step), 0)
     self.assertEqual(int(state.update_step), 1)
-    chex.assert_trees_all_equal(
-      state.accumulator, optax.tree.zeros_like(PARAMS)
-    )
+    # The next window starts from scratch, whatever the buffer held.
+    _, state = update(gradient(3), state, PARAMS)
+    chex.assert_trees_all_close(state.accumulator, gradient(3))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_a_stale_accumulator_is_overwritten_not_added_to(self):
+    tx = ga_optax.accumulate(optax.sgd(-1.0), 2)
+    update = self.variant(tx.update)
+    stale = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), PARAMS)
+    state = tx.init(PARAMS)._replace(accumulator=stale)
+    _, state = update(gradient(0), state, PARAMS)
+    updates, state = update(gradient(1), state, PARAMS)
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, gradient(0), gradient(1))
+    chex.assert_trees_all_close(updates, mean)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_inner_optimizer_runs_once_per_window(self):

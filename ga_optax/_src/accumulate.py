@@ -35,7 +35,11 @@ class AccumulateState(NamedTuple):
       (see :func:`emitted`).
     weight_sum: sum of the weights of the micro-steps in the open window.
     accumulator: sum of ``weight * grads`` over the open window, in
-      ``accumulator_dtype``, with the tree of the params.
+      ``accumulator_dtype``, with the tree of the params. Meaningful only
+      while ``micro_step > 0``: the first micro-step of a window overwrites
+      it instead of adding, so closing a window need not zero it, and the
+      closing call reuses its buffer to carry the updates (see
+      :func:`accumulate`).
     inner_state: the wrapped optimizer's state.
   """
 
@@ -61,22 +65,6 @@ def _all_finite(tree: Any) -> jax.Array:
   return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]).all()
 
 
-def _zeros_if(condition: jax.Array, tree: Any) -> Any:
-  """``tree``, or zeros of its shape where ``condition`` holds.
-
-  A loop that runs once or never, rather than a select or a conditional: its
-  carry is updated in place, so a step that does not zero the tree neither
-  reads nor writes it, and the tree needs no second buffer.
-  """
-
-  def zero(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
-    return jnp.asarray(False), optax.tree.zeros_like(carry[1])
-
-  return jax.lax.while_loop(
-    lambda carry: carry[0], zero, (jnp.asarray(condition), tree)
-  )[1]
-
-
 def _window_functions(
   optimizer: optax.GradientTransformation,
   every_k: every_k_lib.EveryK,
@@ -96,12 +84,17 @@ def _window_functions(
   with the updates applied inside the closing branch.
 
   How buffers flow decides the cost (see docs/benchmarks.md): the gradient is
-  added into the accumulator outside any conditional, in place; the
-  conditional reads the accumulator but does not return it, and takes the
-  inner state (and, fused, the params) as operands that the open branch
-  hands back untouched, so XLA aliases them with no copy; the accumulator is
-  zeroed after the conditional by :func:`_zeros_if`, ordered after it
-  through the ``stepped`` flag that the conditional returns.
+  added into the accumulator outside any conditional, in place, and the
+  first micro-step of a window overwrites instead of adding, so no call
+  spends a pass zeroing it. One conditional takes the inner state (and, on
+  the fused path, the params) as operands that the open branch hands back
+  untouched, so XLA aliases them with no copy. On the transformation path
+  its first output carries, through the accumulator's own buffer, the
+  accumulator (open branch) or the updates (closing branch): updates leaving
+  a conditional must live in some buffer, and the window's sum is no longer
+  needed once the optimizer has read it. Outside the conditional a select
+  turns that output into zeros or updates, which XLA fuses into the
+  caller's ``apply_updates``.
   """
   inner = validation.check_optimizer(optimizer)
   schedule = every_k_lib.as_schedule(every_k)
@@ -166,8 +159,12 @@ def _window_functions(
       scale = jnp.where(steps, 1.0 / jnp.where(steps, weight_sum, 1.0), 1.0)
       scale = scale.astype(accumulator_dtype)
 
+    restarts = state.micro_step == 0
+
     def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
-      added = total + _weighted(grad, weight, accumulator_dtype)
+      # A select, not a multiply: a stale buffer may hold anything, NaN too.
+      kept = jnp.where(restarts, jnp.zeros((), total.dtype), total)
+      added = kept + _weighted(grad, weight, accumulator_dtype)
       if skip_nonfinite:
         added = jnp.where(accepted, added, total)
       if local and reduction == "mean":
@@ -179,18 +176,20 @@ def _window_functions(
     inner_updates_shape = jax.eval_shape(
       lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]
     )
+    # The updates ride in the accumulator's buffer when every leaf converts
+    # to the accumulator's dtype and back exactly (bfloat16 updates in a
+    # float32 accumulator do); otherwise the open branch writes zeros.
+    carries_updates = not apply_to_params and _fits_exactly(
+      inner_updates_shape, state.accumulator
+    )
 
-    def unchanged(params, inner_state):
-      # The open branch writes nothing but, on the transformation path, the
-      # zero updates that the API promises.
+    def unchanged(params, accumulator, inner_state):
       if apply_to_params:
         return params, inner_state, jnp.asarray(False)
+      if carries_updates:
+        return accumulator, inner_state, jnp.asarray(False)
       zeros = optax.tree.zeros_like(inner_updates_shape)
       return zeros, inner_state, jnp.asarray(False)
-
-    def keep_window_open(params, accumulator, inner_state):
-      del accumulator
-      return unchanged(params, inner_state)
 
     def close_window(params, accumulator, inner_state):
       accumulator, total_weight = distributed.sum_across_devices(
@@ -213,6 +212,12 @@ def _window_functions(
         )
         if apply_to_params:
           new_updates = optax.apply_updates(params, new_updates)
+        elif carries_updates:
+          new_updates = jax.tree.map(
+            lambda update, slot: update.astype(slot.dtype),
+            new_updates,
+            accumulator,
+          )
         return new_updates, new_inner_state, jnp.asarray(True)
 
       if local:
@@ -220,13 +225,17 @@ def _window_functions(
       # Only here is the window's total weight known: a nested conditional
       # (with its own output buffers) keeps an empty window from stepping.
       return jax.lax.cond(
-        total_weight > 0, step_inner, unchanged, params, inner_state
+        total_weight > 0,
+        step_inner,
+        lambda params, inner_state: unchanged(params, accumulator, inner_state),
+        params,
+        inner_state,
       )
 
     output, inner_state, stepped = jax.lax.cond(
       steps,
       close_window,
-      keep_window_open,
+      unchanged,
       params,
       accumulator,
       state.inner_state,
@@ -237,14 +246,34 @@ def _window_functions(
       num_skipped=_increment_if(state.num_skipped, ~accepted),
       emitted=stepped,
       weight_sum=jnp.where(closes, jnp.zeros_like(weight_sum), weight_sum),
-      # `stepped` implies `closes`; reading it orders the zeroing after the
-      # conditional's last read of the accumulator, so both share a buffer.
-      accumulator=_zeros_if(closes | stepped, accumulator),
+      accumulator=output if carries_updates else accumulator,
       inner_state=inner_state,
     )
+    if carries_updates:
+      output = jax.tree.map(
+        lambda carried, like: jnp.where(
+          stepped, carried.astype(like.dtype), jnp.zeros((), like.dtype)
+        ),
+        output,
+        inner_updates_shape,
+      )
     return output, new_state
 
   return init_fn, window_step
+
+
+def _fits_exactly(updates_shape: Any, accumulator: Any) -> bool:
+  """Whether every updates leaf round-trips exactly through its accumulator slot."""
+  updates_tree: Any = jax.tree.structure(updates_shape)
+  if updates_tree != jax.tree.structure(accumulator):
+    return False
+  return all(
+    update.shape == slot.shape
+    and jnp.promote_types(update.dtype, slot.dtype) == slot.dtype
+    for update, slot in zip(
+      jax.tree.leaves(updates_shape), jax.tree.leaves(accumulator), strict=True
+    )
+  )
 
 
 def _weighted(grad: jax.Array, weight: Any, dtype: Any) -> jax.Array:

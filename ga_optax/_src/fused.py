@@ -2,10 +2,10 @@
 
 ``accumulate`` is a ``GradientTransformation``, so every micro-step returns
 updates (zeros until the window closes) that the caller adds to the params:
-a param-sized write and a param-sized add per micro-step that change
-nothing. ``accumulate_and_apply`` takes the params instead and updates them
-inside the conditional that runs the optimizer, so a micro-step only adds the
-gradient into the accumulator. It keeps the state of ``accumulate``, with the
+inside one ``jit`` XLA fuses the zeros into that add, but the params are
+still read and written on every micro-step. ``accumulate_and_apply`` takes
+the params instead and updates them inside the conditional that runs the
+optimizer, so a micro-step only adds the gradient into the accumulator. It keeps the state of ``accumulate``, with the
 same fields and meanings, and is built by the same code.
 """
 
@@ -67,12 +67,12 @@ def accumulate_and_apply(
   ``tx = ga_optax.accumulate(optimizer, every_k, ...)`` (same arguments, same
   state, same ``weight=``, ``flush=`` and extra keyword arguments), but the
   params are updated inside the conditional that runs ``optimizer``: a
-  micro-step that does not close the window neither writes zero updates nor
-  adds them, and hands the params back untouched (in place when they are
-  donated to ``jax.jit``).
+  micro-step that does not close the window hands the params back untouched
+  (in place when they are donated to ``jax.jit``) instead of adding zero
+  updates to them.
 
   Prefer it to ``accumulate`` in a hand-written train step that owns its
-  params (memory-bound models, where writing and adding zero updates is a
+  params (memory-bound models, where reading and writing the params is a
   large share of a micro-step). Keep ``accumulate`` where a
   ``GradientTransformation`` is required: inside ``optax.chain``, with
   Flax ``TrainState.apply_gradients`` or ``nnx.Optimizer``.

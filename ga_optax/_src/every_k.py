@@ -7,31 +7,16 @@ here into one jittable function ``update_step -> k`` (an int32 scalar).
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ga_optax._src import validation
+
 EveryKSchedule = Callable[[jax.Array], jax.Array]
 EveryK = int | EveryKSchedule | Mapping[int, int]
-
-
-def _is_python_int(value: object) -> bool:
-  # bool is an int subclass, but `every_k=True` is always a mistake.
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_positive_int(value: object, what: str) -> int:
-  if not _is_python_int(value):
-    raise TypeError(
-      f"{what} must be a positive int, got {value!r} of type"
-      f" {type(value).__name__}."
-    )
-  if int(value) < 1:  # type: ignore[call-overload]
-    raise ValueError(f"{what} must be a positive int (>= 1), got {value!r}.")
-  return int(value)  # type: ignore[call-overload]
 
 
 def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
@@ -41,7 +26,7 @@ def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
       " got an empty dict."
     )
   for start in schedule:
-    if not _is_python_int(start) or int(start) < 0:
+    if not validation.is_int(start) or int(start) < 0:
       raise ValueError(
         "every_k dict keys must be non-negative ints (applied-update"
         f" counts), got key {start!r}."
@@ -53,7 +38,7 @@ def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
     )
   starts = sorted(int(start) for start in schedule)
   ks = [
-    _check_positive_int(schedule[start], f"every_k[{start}]")
+    validation.check_positive_int(schedule[start], f"every_k[{start}]")
     for start in starts
   ]
   starts_array = np.asarray(starts, dtype=np.int32)
@@ -96,5 +81,5 @@ def as_schedule(every_k: EveryK) -> EveryKSchedule:
     return _piecewise_constant(every_k)
   if callable(every_k):
     return _checked_callable(every_k)
-  k = _check_positive_int(every_k, "every_k")
+  k = validation.check_positive_int(every_k, "every_k")
   return lambda update_step: jnp.asarray(k, jnp.int32)

@@ -11,7 +11,6 @@ across devices once, after the scan.
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -22,21 +21,6 @@ import optax
 from ga_optax._src import distributed, validation
 
 WeightFn = Callable[[Any], Any]
-
-
-def _check_num_microbatches(num_microbatches: Any) -> int:
-  if isinstance(num_microbatches, bool) or not isinstance(
-    num_microbatches, numbers.Integral
-  ):
-    raise TypeError(
-      "num_microbatches must be a positive int, got"
-      f" {num_microbatches!r} of type {type(num_microbatches).__name__}."
-    )
-  if int(num_microbatches) < 1:
-    raise ValueError(
-      f"num_microbatches must be a positive int (>= 1), got {num_microbatches}."
-    )
-  return int(num_microbatches)
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> Any:
@@ -176,7 +160,9 @@ def microbatched_value_and_grad(
   """
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {type(fun).__name__}.")
-  num_microbatches = _check_num_microbatches(num_microbatches)
+  num_microbatches = validation.check_positive_int(
+    num_microbatches, "num_microbatches"
+  )
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(
       "weight_fn must be None or a callable microbatch -> scalar weight,"

@@ -10,7 +10,6 @@ global batch wanted.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,6 +17,7 @@ import jax
 import optax
 
 from ga_optax._src import accumulate as accumulate_lib
+from ga_optax._src import validation
 
 LossFn = Callable[..., Any]
 
@@ -44,17 +44,6 @@ class MicrobatchPlan(NamedTuple):
   next_size: int | None
   next_size_bytes: int | None
   memory_budget_bytes: int
-
-
-def _check_positive_int(value: Any, name: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-      f"{name} must be a positive int, got {value!r} of type"
-      f" {type(value).__name__}."
-    )
-  if value < 1:
-    raise ValueError(f"{name} must be a positive int (>= 1), got {value!r}.")
-  return int(value)
 
 
 def _abstract(tree: Any) -> Any:
@@ -126,7 +115,9 @@ def micro_step_bytes(
     >>> small < large
     True
   """
-  microbatch_size = _check_positive_int(microbatch_size, "microbatch_size")
+  microbatch_size = validation.check_positive_int(
+    microbatch_size, "microbatch_size"
+  )
   abstract_params = _abstract(params)
   batch = _batch_of_size(example_batch, microbatch_size)
   grad_fn = jax.grad(loss_fn, has_aux=has_aux)
@@ -236,14 +227,18 @@ def plan_microbatch(
     >>> plan.compiled_bytes <= budget < plan.next_size_bytes
     True
   """
-  budget = _check_positive_int(memory_budget_bytes, "memory_budget_bytes")
+  budget = validation.check_positive_int(
+    memory_budget_bytes, "memory_budget_bytes"
+  )
   if global_batch is not None:
-    global_batch = _check_positive_int(global_batch, "global_batch")
+    global_batch = validation.check_positive_int(global_batch, "global_batch")
     candidates = [
       size for size in range(1, global_batch + 1) if global_batch % size == 0
     ]
   else:
-    max_microbatch = _check_positive_int(max_microbatch, "max_microbatch")
+    max_microbatch = validation.check_positive_int(
+      max_microbatch, "max_microbatch"
+    )
     candidates = None
   _batch_of_size(example_batch, 1)  # Checks the batch before compiling.
 

@@ -18,6 +18,23 @@ import optax
 REDUCTIONS = ("mean", "sum")
 
 
+def is_int(value: Any) -> bool:
+  """A Python or NumPy integer; bool is an int subclass but always a mistake."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_positive_int(value: Any, name: str) -> int:
+  """Returns ``value`` as an int, or raises naming ``name``."""
+  if not is_int(value):
+    raise TypeError(
+      f"{name} must be a positive int, got {value!r} of type"
+      f" {type(value).__name__}."
+    )
+  if int(value) < 1:
+    raise ValueError(f"{name} must be a positive int (>= 1), got {value!r}.")
+  return int(value)
+
+
 def check_optimizer(optimizer: Any) -> optax.GradientTransformationExtraArgs:
   """Returns ``optimizer`` as one that accepts (and may ignore) extra args."""
   if not isinstance(optimizer, optax.GradientTransformation):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import chex
+import flax_cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,13 +22,6 @@ from flax import linen as nn
 from flax.training import train_state
 
 import ga_optax
-
-NUM_WINDOWS = 3
-MICRO_BATCHES = 4
-MICRO_BATCH_SIZE = 2
-BATCH_SIZE = MICRO_BATCHES * MICRO_BATCH_SIZE
-VOCAB = 11
-SEQ_LEN = 7
 
 
 class Mlp(nn.Module):
@@ -56,8 +50,10 @@ class TinyLm(nn.Module):
   @nn.compact
   def __call__(self, tokens, mask):
     norm = functools.partial(nn.LayerNorm, use_bias=False, use_scale=False)
-    x = nn.Embed(VOCAB, 16)(tokens)
-    x = x + self.param("position", nn.initializers.normal(0.02), (SEQ_LEN, 16))
+    x = nn.Embed(flax_cases.VOCAB, 16)(tokens)
+    x = x + self.param(
+      "position", nn.initializers.normal(0.02), (flax_cases.SEQ_LEN, 16)
+    )
     attention_mask = nn.combine_masks(
       nn.make_causal_mask(tokens), nn.make_attention_mask(mask, mask)
     )
@@ -66,25 +62,7 @@ class TinyLm(nn.Module):
     )
     hidden = nn.gelu(nn.Dense(32, use_bias=False)(norm()(x)))
     x = x + nn.Dense(16, use_bias=False)(hidden)
-    return nn.Dense(VOCAB)(norm()(x))
-
-
-def _classification_data(shape: tuple[int, ...], key: int):
-  keys = jax.random.split(jax.random.PRNGKey(key), 2)
-  size = NUM_WINDOWS * BATCH_SIZE
-  return {
-    "x": jax.random.normal(keys[0], (size, *shape)),
-    "label": jax.random.randint(keys[1], (size,), 0, 3),
-  }
-
-
-def _lm_data():
-  size = NUM_WINDOWS * BATCH_SIZE
-  tokens = jax.random.randint(jax.random.PRNGKey(3), (size, SEQ_LEN), 1, VOCAB)
-  # Lengths from 2 to SEQ_LEN: micro-batches hold different token counts.
-  lengths = 2 + np.arange(size) * 5 % (SEQ_LEN - 1)
-  mask = (np.arange(SEQ_LEN)[None, :] < lengths[:, None]).astype(np.float32)
-  return {"tokens": tokens * mask.astype(np.int32), "mask": jnp.asarray(mask)}
+    return nn.Dense(flax_cases.VOCAB)(norm()(x))
 
 
 def _classification_loss(model: nn.Module):
@@ -112,56 +90,39 @@ def _lm_loss(model: nn.Module):
   return loss_fn
 
 
-def _lm_tokens(batch):
-  return jnp.sum(batch["mask"][:, 1:])
-
-
-def _samples(batch):
-  return jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
-
-
 Case = tuple[nn.Module, Callable[..., Any], Callable[..., Any], Any, Any]
 
 
 def _case(name: str) -> Case:
   if name == "mlp":
     model: nn.Module = Mlp()
-    data = _classification_data((5,), key=1)
-    return model, _classification_loss(model), _samples, data, data["x"][:1]
+    data = flax_cases.classification_data((5,), key=1)
+    return (
+      model,
+      _classification_loss(model),
+      flax_cases.samples,
+      data,
+      data["x"][:1],
+    )
   if name == "cnn":
     model = Cnn()
-    data = _classification_data((8, 8, 1), key=2)
-    return model, _classification_loss(model), _samples, data, data["x"][:1]
+    data = flax_cases.classification_data((8, 8, 1), key=2)
+    return (
+      model,
+      _classification_loss(model),
+      flax_cases.samples,
+      data,
+      data["x"][:1],
+    )
   model = TinyLm()
-  data = _lm_data()
+  data = flax_cases.lm_data()
   example = (data["tokens"][:1], data["mask"][:1])
-  return model, _lm_loss(model), _lm_tokens, data, example
+  return model, _lm_loss(model), flax_cases.lm_tokens, data, example
 
 
 def _init(model: nn.Module, example: Any) -> Any:
   example = example if isinstance(example, tuple) else (example,)
   return jax.jit(model.init)(jax.random.PRNGKey(0), *example)["params"]
-
-
-def _optimizer() -> optax.GradientTransformation:
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-
-
-def _windows(data: Any) -> list[Any]:
-  return [
-    jax.tree.map(lambda x, w=w: x[w * BATCH_SIZE : (w + 1) * BATCH_SIZE], data)
-    for w in range(NUM_WINDOWS)
-  ]
-
-
-def _microbatches(batch: Any) -> list[Any]:
-  return [
-    jax.tree.map(
-      lambda x, i=i: x[i * MICRO_BATCH_SIZE : (i + 1) * MICRO_BATCH_SIZE],
-      batch,
-    )
-    for i in range(MICRO_BATCHES)
-  ]
 
 
 def _fresh(params: Any) -> Any:
@@ -171,7 +132,7 @@ def _fresh(params: Any) -> Any:
 
 def _train_large_batch(loss_fn, params, data):
   state = train_state.TrainState.create(
-    apply_fn=None, params=_fresh(params), tx=_optimizer()
+    apply_fn=None, params=_fresh(params), tx=flax_cases.optimizer()
   )
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -179,7 +140,7 @@ def _train_large_batch(loss_fn, params, data):
     grads = jax.grad(loss_fn)(state.params, batch)
     return state.apply_gradients(grads=grads)
 
-  for batch in _windows(data):
+  for batch in flax_cases.windows(data):
     state = step(state, batch)
   return state
 
@@ -188,7 +149,7 @@ def _train_per_call(loss_fn, weight_fn, params, data):
   state = train_state.TrainState.create(
     apply_fn=None,
     params=_fresh(params),
-    tx=ga_optax.accumulate(_optimizer(), MICRO_BATCHES),
+    tx=ga_optax.accumulate(flax_cases.optimizer(), flax_cases.MICRO_BATCHES),
   )
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -196,18 +157,18 @@ def _train_per_call(loss_fn, weight_fn, params, data):
     grads = jax.grad(loss_fn)(state.params, microbatch)
     return ga_optax.apply_gradients(state, grads, weight=weight_fn(microbatch))
 
-  for batch in _windows(data):
-    for microbatch in _microbatches(batch):
+  for batch in flax_cases.windows(data):
+    for microbatch in flax_cases.microbatches(batch):
       state = step(state, microbatch)
   return state
 
 
 def _train_in_step(loss_fn, weight_fn, params, data):
   state = train_state.TrainState.create(
-    apply_fn=None, params=_fresh(params), tx=_optimizer()
+    apply_fn=None, params=_fresh(params), tx=flax_cases.optimizer()
   )
   value_and_grad = ga_optax.microbatched_value_and_grad(
-    loss_fn, MICRO_BATCHES, weight_fn=weight_fn
+    loss_fn, flax_cases.MICRO_BATCHES, weight_fn=weight_fn
   )
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -215,7 +176,7 @@ def _train_in_step(loss_fn, weight_fn, params, data):
     _, grads = value_and_grad(state.params, batch)
     return state.apply_gradients(grads=grads)
 
-  for batch in _windows(data):
+  for batch in flax_cases.windows(data):
     state = step(state, batch)
   return state
 
@@ -239,9 +200,11 @@ def test_accumulation_matches_large_batch_training(name):
 def test_step_counts_calls_and_applied_updates_count_windows():
   model, loss_fn, weight_fn, data, example = _case("mlp")
   state = _train_per_call(loss_fn, weight_fn, _init(model, example), data)
-  assert int(state.step) == NUM_WINDOWS * MICRO_BATCHES
-  assert int(ga_optax.applied_updates(state)) == NUM_WINDOWS
-  assert int(ga_optax.applied_updates(state.opt_state)) == NUM_WINDOWS
+  assert int(state.step) == flax_cases.NUM_WINDOWS * flax_cases.MICRO_BATCHES
+  assert int(ga_optax.applied_updates(state)) == flax_cases.NUM_WINDOWS
+  assert (
+    int(ga_optax.applied_updates(state.opt_state)) == flax_cases.NUM_WINDOWS
+  )
   assert bool(ga_optax.emitted(state.opt_state))
 
 
@@ -251,7 +214,7 @@ def test_apply_gradients_flush_closes_a_partial_window():
   state = train_state.TrainState.create(
     apply_fn=None,
     params=_fresh(params),
-    tx=ga_optax.accumulate(optax.sgd(0.1), MICRO_BATCHES),
+    tx=ga_optax.accumulate(optax.sgd(0.1), flax_cases.MICRO_BATCHES),
   )
 
   @jax.jit
@@ -259,7 +222,7 @@ def test_apply_gradients_flush_closes_a_partial_window():
     grads = jax.grad(loss_fn)(state.params, microbatch)
     return ga_optax.apply_gradients(state, grads, flush=flush)
 
-  microbatches = _microbatches(_windows(data)[0])[:2]
+  microbatches = flax_cases.microbatches(flax_cases.windows(data)[0])[:2]
   for index, microbatch in enumerate(microbatches):
     state = step(state, microbatch, jnp.asarray(index == 1))
   partial_batch = jax.tree.map(lambda *x: jnp.concatenate(x), *microbatches)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import chex
+import flax_cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,13 +16,6 @@ import pytest
 from flax import nnx
 
 import ga_optax
-
-NUM_WINDOWS = 3
-MICRO_BATCHES = 4
-MICRO_BATCH_SIZE = 2
-BATCH_SIZE = MICRO_BATCHES * MICRO_BATCH_SIZE
-VOCAB = 11
-SEQ_LEN = 7
 
 
 class Mlp(nnx.Module):
@@ -52,9 +46,9 @@ class TinyLm(nnx.Module):
   """
 
   def __init__(self, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(VOCAB, 16, rngs=rngs)
+    self.embed = nnx.Embed(flax_cases.VOCAB, 16, rngs=rngs)
     self.position = nnx.Param(
-      0.02 * jax.random.normal(rngs.params(), (SEQ_LEN, 16))
+      0.02 * jax.random.normal(rngs.params(), (flax_cases.SEQ_LEN, 16))
     )
     self.norm = nnx.LayerNorm(16, use_bias=False, use_scale=False, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
@@ -62,7 +56,7 @@ class TinyLm(nnx.Module):
     )
     self.up = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
     self.down = nnx.Linear(32, 16, use_bias=False, rngs=rngs)
-    self.head = nnx.Linear(16, VOCAB, rngs=rngs)
+    self.head = nnx.Linear(16, flax_cases.VOCAB, rngs=rngs)
 
   def __call__(self, tokens, mask):
     x = self.embed(tokens) + self.position[...]
@@ -72,23 +66,6 @@ class TinyLm(nnx.Module):
     x = x + self.attention(self.norm(x), mask=attention_mask)
     x = x + self.down(nnx.gelu(self.up(self.norm(x))))
     return self.head(self.norm(x))
-
-
-def _classification_data(shape: tuple[int, ...], key: int):
-  keys = jax.random.split(jax.random.PRNGKey(key), 2)
-  size = NUM_WINDOWS * BATCH_SIZE
-  return {
-    "x": jax.random.normal(keys[0], (size, *shape)),
-    "label": jax.random.randint(keys[1], (size,), 0, 3),
-  }
-
-
-def _lm_data():
-  size = NUM_WINDOWS * BATCH_SIZE
-  tokens = jax.random.randint(jax.random.PRNGKey(3), (size, SEQ_LEN), 1, VOCAB)
-  lengths = 2 + np.arange(size) * 5 % (SEQ_LEN - 1)
-  mask = (np.arange(SEQ_LEN)[None, :] < lengths[:, None]).astype(np.float32)
-  return {"tokens": tokens * mask.astype(np.int32), "mask": jnp.asarray(mask)}
 
 
 def _classification_loss(model, batch):
@@ -107,14 +84,6 @@ def _lm_loss(model, batch):
   return jnp.sum(per_token * target_mask) / jnp.maximum(jnp.sum(target_mask), 1)
 
 
-def _lm_tokens(batch):
-  return jnp.sum(batch["mask"][:, 1:])
-
-
-def _samples(batch):
-  return jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
-
-
 Case = tuple[
   Callable[[], nnx.Module], Callable[..., Any], Callable[..., Any], Any
 ]
@@ -122,45 +91,39 @@ Case = tuple[
 
 def _case(name: str) -> Case:
   if name == "mlp":
-    data = _classification_data((5,), key=1)
-    return (lambda: Mlp(nnx.Rngs(0))), _classification_loss, _samples, data
-  if name == "cnn":
-    data = _classification_data((8, 8, 1), key=2)
-    return (lambda: Cnn(nnx.Rngs(0))), _classification_loss, _samples, data
-  return (lambda: TinyLm(nnx.Rngs(0))), _lm_loss, _lm_tokens, _lm_data()
-
-
-def _optimizer() -> optax.GradientTransformation:
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-
-
-def _windows(data: Any) -> list[Any]:
-  return [
-    jax.tree.map(lambda x, w=w: x[w * BATCH_SIZE : (w + 1) * BATCH_SIZE], data)
-    for w in range(NUM_WINDOWS)
-  ]
-
-
-def _microbatches(batch: Any) -> list[Any]:
-  return [
-    jax.tree.map(
-      lambda x, i=i: x[i * MICRO_BATCH_SIZE : (i + 1) * MICRO_BATCH_SIZE],
-      batch,
+    data = flax_cases.classification_data((5,), key=1)
+    return (
+      (lambda: Mlp(nnx.Rngs(0))),
+      _classification_loss,
+      flax_cases.samples,
+      data,
     )
-    for i in range(MICRO_BATCHES)
-  ]
+  if name == "cnn":
+    data = flax_cases.classification_data((8, 8, 1), key=2)
+    return (
+      (lambda: Cnn(nnx.Rngs(0))),
+      _classification_loss,
+      flax_cases.samples,
+      data,
+    )
+  return (
+    (lambda: TinyLm(nnx.Rngs(0))),
+    _lm_loss,
+    flax_cases.lm_tokens,
+    flax_cases.lm_data(),
+  )
 
 
 def _train_large_batch(make_model, loss_fn, data):
   model = make_model()
-  optimizer = nnx.Optimizer(model, _optimizer(), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, flax_cases.optimizer(), wrt=nnx.Param)
 
   @nnx.jit
   def step(model, optimizer, batch):
     grads = nnx.grad(loss_fn)(model, batch)
     optimizer.update(model, grads)
 
-  for batch in _windows(data):
+  for batch in flax_cases.windows(data):
     step(model, optimizer, batch)
   return model
 
@@ -168,7 +131,9 @@ def _train_large_batch(make_model, loss_fn, data):
 def _train_per_call(make_model, loss_fn, weight_fn, data):
   model = make_model()
   optimizer = nnx.Optimizer(
-    model, ga_optax.accumulate(_optimizer(), MICRO_BATCHES), wrt=nnx.Param
+    model,
+    ga_optax.accumulate(flax_cases.optimizer(), flax_cases.MICRO_BATCHES),
+    wrt=nnx.Param,
   )
 
   @nnx.jit
@@ -178,15 +143,15 @@ def _train_per_call(make_model, loss_fn, weight_fn, data):
     return ga_optax.emitted(optimizer.opt_state)
 
   emitted = []
-  for batch in _windows(data):
-    for microbatch in _microbatches(batch):
+  for batch in flax_cases.windows(data):
+    for microbatch in flax_cases.microbatches(batch):
       emitted.append(bool(step(model, optimizer, microbatch)))
   return model, optimizer, emitted
 
 
 def _train_in_step(make_model, loss_fn, weight_fn, data):
   model = make_model()
-  optimizer = nnx.Optimizer(model, _optimizer(), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, flax_cases.optimizer(), wrt=nnx.Param)
 
   @nnx.jit
   def step(model, optimizer, batch):
@@ -197,13 +162,13 @@ def _train_in_step(make_model, loss_fn, weight_fn, data):
       return loss_fn(nnx.merge(graphdef, params, rest, copy=True), microbatch)
 
     value_and_grad = ga_optax.microbatched_value_and_grad(
-      params_loss, MICRO_BATCHES, weight_fn=weight_fn
+      params_loss, flax_cases.MICRO_BATCHES, weight_fn=weight_fn
     )
     loss, grads = value_and_grad(params, batch, rest)
     optimizer.update(model, grads)
     return loss
 
-  for batch in _windows(data):
+  for batch in flax_cases.windows(data):
     step(model, optimizer, batch)
   return model
 
@@ -223,9 +188,18 @@ def test_accumulation_matches_large_batch_training(name):
   assert max(jax.tree.leaves(moved)) > 1e-3
   # emitted and the counters read through the NNX optimizer's wrapped state;
   # the optimizer's own step counts update calls (micro-steps).
-  assert emitted == ([False] * (MICRO_BATCHES - 1) + [True]) * NUM_WINDOWS
-  assert int(optimizer.step[...]) == NUM_WINDOWS * MICRO_BATCHES
-  assert int(ga_optax.applied_updates(optimizer.opt_state)) == NUM_WINDOWS
+  assert (
+    emitted
+    == ([False] * (flax_cases.MICRO_BATCHES - 1) + [True])
+    * flax_cases.NUM_WINDOWS
+  )
+  assert (
+    int(optimizer.step[...])
+    == flax_cases.NUM_WINDOWS * flax_cases.MICRO_BATCHES
+  )
+  assert (
+    int(ga_optax.applied_updates(optimizer.opt_state)) == flax_cases.NUM_WINDOWS
+  )
   assert isinstance(ga_optax.emitted(optimizer.opt_state), jax.Array)
 
 

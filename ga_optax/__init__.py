@@ -2,6 +2,12 @@
 
 from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
 from ga_optax._src.batchnorm import combine_batch_stats
+from ga_optax._src.elastic import (
+  ElasticPlan,
+  best_global_batch_size,
+  elastic_plan,
+  valid_device_counts,
+)
 from ga_optax._src.flax_utils import applied_updates, apply_gradients
 from ga_optax._src.fused import FusedAccumulation, accumulate_and_apply
 from ga_optax._src.microbatch import microbatched_value_and_grad
@@ -15,15 +21,19 @@ __version__ = "0.1.0"
 
 __all__ = [
   "AccumulateState",
+  "ElasticPlan",
   "FusedAccumulation",
   "MicrobatchPlan",
   "accumulate",
   "accumulate_and_apply",
   "applied_updates",
   "apply_gradients",
+  "best_global_batch_size",
   "combine_batch_stats",
+  "elastic_plan",
   "emitted",
   "micro_step_bytes",
   "microbatched_value_and_grad",
   "plan_microbatch",
+  "valid_device_counts",
 ]

@@ -87,8 +87,8 @@ def test_plans_multiply_to_the_global_batch(global_batch, num_devices, sizes):
   assert all(type(field) is int for field in plan)
 
 
-@settings(max_examples=100, deadline=None)
-@given(global_batch=st.integers(1, 400), sizes=sizes_strategy)
+@settings(max_examples=50, deadline=None)
+@given(global_batch=st.integers(1, 240), sizes=sizes_strategy)
 def test_plans_exist_exactly_on_the_valid_counts(global_batch, sizes):
   valid = ga_optax.valid_device_counts(global_batch, sizes, 2 * global_batch)
   for num_devices in range(1, 2 * global_batch + 1):

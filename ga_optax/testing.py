@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ga_optax._src import validation
 from ga_optax._src.accumulate import accumulate
 
 LossFn = Callable[[optax.Params, Any], jax.Array]
@@ -28,7 +29,9 @@ class EquivalenceResult(NamedTuple):
 
   Attributes:
     max_relative_difference: the largest, over parameter leaves, of
-      ``max|accumulated - large_batch| / max(max|large_batch|, tiny)``.
+      ``max|accumulated - large_batch| / max(max|large_batch|, tiny)``;
+      ``inf`` when the non-finite values of a leaf differ (see
+      :func:`max_relative_difference`).
     large_batch_params: parameters after one optimizer step per large batch.
     accumulated_params: parameters after accumulating the same batches.
   """
@@ -44,12 +47,22 @@ def max_relative_difference(actual: Any, expected: Any) -> float:
   Each leaf contributes ``max|actual - expected| / max|expected|`` (with the
   denominator kept away from zero), computed in float64 on the host.
 
+  Non-finite values are compared exactly: a position where both trees hold
+  NaN, or both hold an infinity of the same sign, counts as equal and is left
+  out of the difference. Any other NaN or infinity, on either side, makes the
+  leaf's difference (and so the result) ``inf``: a NaN in trained parameters
+  is never within a tolerance.
+
   Args:
     actual: a pytree of arrays.
     expected: a pytree of arrays with the same structure and shapes.
 
   Returns:
-    A Python float; 0.0 for identical trees.
+    A Python float; 0.0 for identical trees, ``inf`` when the trees' non-finite
+    values differ.
+
+  Raises:
+    ValueError: the trees differ in structure, or a leaf in shape.
 
   Example:
     >>> import jax.numpy as jnp
@@ -59,7 +72,24 @@ def max_relative_difference(actual: Any, expected: Any) -> float:
     ... )
     >>> difference
     0.25
+    >>> max_relative_difference(
+    ...     {"w": jnp.array([jnp.nan, 1.0])}, {"w": jnp.array([1.0, 1.0])}
+    ... )
+    inf
   """
+  return max(
+    (
+      _relative_difference(actual_values, expected_values)
+      for _, actual_values, expected_values in _paired_leaves(actual, expected)
+    ),
+    default=0.0,
+  )
+
+
+def _paired_leaves(
+  actual: Any, expected: Any
+) -> list[tuple[str, np.ndarray, np.ndarray]]:
+  """Each leaf's path and its values in both trees, as float64 arrays."""
   actual_tree: Any = jax.tree.structure(actual)
   expected_tree: Any = jax.tree.structure(expected)
   if actual_tree != expected_tree:
@@ -67,18 +97,44 @@ def max_relative_difference(actual: Any, expected: Any) -> float:
       "actual and expected must have the same tree structure, got"
       f" {actual_tree} and {expected_tree}."
     )
-  worst = 0.0
-  for actual_leaf, expected_leaf in zip(
-    jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+  pairs = []
+  for (path, actual_leaf), expected_leaf in zip(
+    jax.tree_util.tree_flatten_with_path(actual)[0],
+    jax.tree.leaves(expected),
+    strict=True,
   ):
     actual_values = np.asarray(actual_leaf, dtype=np.float64)
     expected_values = np.asarray(expected_leaf, dtype=np.float64)
-    if actual_values.size == 0:
-      continue
-    scale = max(float(np.max(np.abs(expected_values))), np.finfo(float).tiny)
-    difference = float(np.max(np.abs(actual_values - expected_values)))
-    worst = max(worst, difference / scale)
-  return worst
+    if actual_values.shape != expected_values.shape:
+      raise ValueError(
+        "actual and expected must have the same shape at every leaf; leaf"
+        f" {jax.tree_util.keystr(path)} has shape {actual_values.shape} in"
+        f" actual and {expected_values.shape} in expected."
+      )
+    pairs.append((jax.tree_util.keystr(path), actual_values, expected_values))
+  return pairs
+
+
+def _relative_difference(actual: np.ndarray, expected: np.ndarray) -> float:
+  # Equal NaNs and equal signed infinities are the same value for a test, as
+  # in np.array_equal(..., equal_nan=True); they take no part in the scale.
+  same_non_finite = (np.isnan(actual) & np.isnan(expected)) | (
+    np.isinf(actual) & (actual == expected)
+  )
+  actual, expected = actual[~same_non_finite], expected[~same_non_finite]
+  if not (np.all(np.isfinite(actual)) and np.all(np.isfinite(expected))):
+    return float("inf")
+  if actual.size == 0:
+    return 0.0
+  scale = max(float(np.max(np.abs(expected))), np.finfo(float).tiny)
+  return float(np.max(np.abs(actual - expected))) / scale
+
+
+def _non_finite_counts(values: np.ndarray) -> str:
+  return (
+    f"{int(np.sum(np.isnan(values)))} NaN and"
+    f" {int(np.sum(np.isinf(values)))} infinite"
+  )
 
 
 def _leading_size(batch: Any) -> int:
@@ -98,26 +154,46 @@ def _rows(batch: Any, start: int, end: int) -> Any:
 def _microbatch_bounds(
   batch_size: int, microbatch_sizes: int | Sequence[int]
 ) -> list[tuple[int, int]]:
-  if isinstance(microbatch_sizes, int):
-    if microbatch_sizes < 1 or batch_size % microbatch_sizes:
-      raise ValueError(
-        "microbatch_sizes as an int is the number of equal micro-batches"
-        f" and must divide the batch size {batch_size}, got"
-        f" {microbatch_sizes}."
-      )
-    size = batch_size // microbatch_sizes
-    sizes = [size] * microbatch_sizes
-  else:
-    sizes = [int(size) for size in microbatch_sizes]
-    if any(size < 1 for size in sizes) or sum(sizes) != batch_size:
-      raise ValueError(
-        "microbatch_sizes must be positive and add up to the batch size"
-        f" {batch_size}, got {list(microbatch_sizes)}."
-      )
+  sizes = _microbatch_sizes(batch_size, microbatch_sizes)
   ends = np.cumsum(sizes)
   return [
     (int(end - size), int(end)) for size, end in zip(sizes, ends, strict=True)
   ]
+
+
+def _microbatch_sizes(
+  batch_size: int, microbatch_sizes: int | Sequence[int]
+) -> list[int]:
+  if validation.is_int(microbatch_sizes):
+    count = int(microbatch_sizes)  # type: ignore[arg-type]
+    if count < 1 or batch_size % count:
+      raise ValueError(
+        "microbatch_sizes as an int is the number of equal micro-batches"
+        f" and must divide the batch size {batch_size}, got"
+        f" {microbatch_sizes!r}."
+      )
+    return [batch_size // count] * count
+  if isinstance(microbatch_sizes, (str, bytes)) or not isinstance(
+    microbatch_sizes, Iterable
+  ):
+    raise TypeError(
+      "microbatch_sizes must be the number of equal micro-batches (an int)"
+      " or a sequence of their sizes (ints), got"
+      f" {microbatch_sizes!r} of type {type(microbatch_sizes).__name__}."
+    )
+  sizes = list(microbatch_sizes)
+  for size in sizes:
+    if not validation.is_int(size):
+      raise TypeError(
+        "microbatch_sizes entries must be ints (micro-batch sizes), got"
+        f" {size!r} of type {type(size).__name__} in {sizes!r}."
+      )
+  if any(size < 1 for size in sizes) or sum(sizes) != batch_size:
+    raise ValueError(
+      "microbatch_sizes must be positive and add up to the batch size"
+      f" {batch_size}, got {sizes!r}."
+    )
+  return [int(size) for size in sizes]
 
 
 def compare_with_large_batch(
@@ -145,8 +221,8 @@ def compare_with_large_batch(
     params: initial parameters, shared by both runs.
     batches: large batches, pytrees whose leaves share a leading axis; each
       is one window.
-    microbatch_sizes: the number of equal micro-batches, or their sizes (the
-      same split for every batch).
+    microbatch_sizes: the number of equal micro-batches (a Python or NumPy
+      int), or a sequence of their sizes (the same split for every batch).
     weight_fn: ``weight_fn(microbatch) -> scalar`` passed as ``weight=``.
       Defaults to the micro-batch's item count for ``"mean"`` and to 1 for
       ``"sum"``, which is exact for mean and sum losses respectively.
@@ -155,6 +231,12 @@ def compare_with_large_batch(
 
   Returns:
     An :class:`EquivalenceResult`.
+
+  Raises:
+    TypeError: ``microbatch_sizes`` is neither an int nor a sequence of ints
+      (a bool is neither).
+    ValueError: ``batches`` is empty or its batches differ in size, or
+      ``microbatch_sizes`` does not split the batch size.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -250,7 +332,9 @@ def assert_equivalent_to_large_batch(
     The :class:`EquivalenceResult`, for further checks.
 
   Raises:
-    AssertionError: the runs differ by more than ``rtol``.
+    AssertionError: the runs differ by more than ``rtol``, or their
+      parameters differ in where they hold NaN or infinite values; the
+      message names the parameter leaf that differs most.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -272,9 +356,24 @@ def assert_equivalent_to_large_batch(
     use_jit=use_jit,
   )
   if not result.max_relative_difference <= rtol:
-    raise AssertionError(
-      "accumulated training differs from large-batch training: max"
-      f" relative difference {result.max_relative_difference:.3g} >"
-      f" rtol {rtol:.3g}."
-    )
+    raise AssertionError(_describe_difference(result, rtol))
   return result
+
+
+def _describe_difference(result: EquivalenceResult, rtol: float) -> str:
+  path, accumulated, large_batch = max(
+    _paired_leaves(result.accumulated_params, result.large_batch_params),
+    key=lambda leaf: _relative_difference(leaf[1], leaf[2]),
+  )
+  difference = _relative_difference(accumulated, large_batch)
+  message = (
+    "accumulated training differs from large-batch training: max relative"
+    f" difference {difference:.3g} > rtol {rtol:.3g} at params leaf {path}"
+  )
+  if np.isfinite(difference):
+    return message + "."
+  return (
+    f"{message}: the accumulated params hold {_non_finite_counts(accumulated)}"
+    f" values there, the large-batch params {_non_finite_counts(large_batch)}"
+    " (a NaN or infinity counts as equal only where both hold the same one)."
+  )

@@ -36,6 +36,54 @@ def test_max_relative_difference_rejects_other_trees():
     testing.max_relative_difference({"a": jnp.ones(1)}, [jnp.ones(1)])
 
 
+def test_max_relative_difference_rejects_leaves_of_other_shapes():
+  with pytest.raises(
+    ValueError, match=r"leaf \['w'\] has shape \(3,\) in actual and \(2, 3\)"
+  ):
+    testing.max_relative_difference(
+      {"b": jnp.ones(2), "w": jnp.ones(3)},
+      {"b": jnp.ones(2), "w": jnp.ones((2, 3))},
+    )
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+  ("actual", "expected"),
+  [
+    ([NAN, 1.0], [1.0, 1.0]),
+    ([1.0, 1.0], [NAN, 1.0]),
+    ([INF, 1.0], [1.0, 1.0]),
+    ([1.0, 1.0], [-INF, 1.0]),
+    ([INF, 1.0], [-INF, 1.0]),
+    ([NAN, 1.0], [INF, 1.0]),
+    ([NAN, 1.0], [1.0, NAN]),
+  ],
+)
+def test_unmatched_non_finite_values_differ_infinitely(actual, expected):
+  ok = {"ok": jnp.ones(2)}
+  difference = testing.max_relative_difference(
+    {**ok, "w": np.array(actual)}, {**ok, "w": np.array(expected)}
+  )
+  assert difference == float("inf")
+
+
+def test_matched_non_finite_values_are_equal_and_left_out():
+  expected = np.array([NAN, INF, -INF, 2.0, 1.0])
+  actual = np.array([NAN, INF, -INF, 2.02, 1.0])
+  # The infinities take no part in the scale: 0.02 / 2.
+  assert testing.max_relative_difference(
+    {"w": actual}, {"w": expected}
+  ) == pytest.approx(0.01)
+  assert (
+    testing.max_relative_difference(
+      {"w": np.array([NAN, -INF])}, {"w": np.array([NAN, -INF])}
+    )
+    == 0.0
+  )
+
+
 @pytest.mark.parametrize("use_jit", [True, False])
 def test_compare_returns_both_runs(use_jit):
   result = testing.compare_with_large_batch(
@@ -76,6 +124,85 @@ def test_bad_microbatch_sizes(sizes):
   with pytest.raises(ValueError, match="microbatch_sizes"):
     testing.compare_with_large_batch(
       loss_fn, optax.sgd(0.1), PARAMS, BATCHES, sizes
+    )
+
+
+@pytest.mark.parametrize(
+  "sizes",
+  [np.int64(4), np.int32(4), [np.int64(5), np.int64(7)], np.array([5, 7])],
+  ids=["np.int64", "np.int32", "list of np.int64", "int array"],
+)
+def test_numpy_microbatch_sizes(sizes):
+  result = testing.compare_with_large_batch(
+    loss_fn, optax.sgd(0.1), PARAMS, BATCHES, sizes
+  )
+  assert result.max_relative_difference < 1e-6
+
+
+@pytest.mark.parametrize(
+  "sizes",
+  [True, np.bool_(True), 4.0, "12", [True, 11], [6.0, 6.0], [6, None]],
+)
+def test_microbatch_sizes_of_other_types(sizes):
+  with pytest.raises(TypeError, match="microbatch_sizes"):
+    testing.compare_with_large_batch(
+      loss_fn, optax.sgd(0.1), PARAMS, BATCHES, sizes
+    )
+
+
+def masked_mean_loss(params, batch, *, safe=False):
+  """The mean squared error over the real (unmasked) tokens."""
+  errors = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2
+  count = jnp.sum(batch["mask"])
+  return jnp.sum(batch["mask"] * errors) / (
+    jnp.maximum(count, 1) if safe else count
+  )
+
+
+def test_assert_catches_nan_from_a_micro_batch_of_padding_only():
+  # The last 4 of 12 sequences are padding only: that micro-batch's loss is
+  # 0 / 0, so its gradient, and with it the accumulated params, are NaN,
+  # while the large batch (which has real tokens) is finite.
+  keys = jax.random.split(jax.random.key(1), 3)
+  batch = {
+    "x": jax.random.normal(keys[0], (12, 5, 3)),
+    "y": jax.random.normal(keys[1], (12, 5)),
+    "mask": jnp.concatenate(
+      [(jax.random.uniform(keys[2], (8, 5)) < 0.7), jnp.zeros((4, 5), bool)]
+    ).astype(jnp.float32),
+  }
+  result = testing.compare_with_large_batch(
+    masked_mean_loss, optax.sgd(0.1), PARAMS, [batch], 3
+  )
+  assert np.isnan(result.accumulated_params["w"]).all()
+  assert np.isfinite(result.large_batch_params["w"]).all()
+  assert result.max_relative_difference == float("inf")
+
+  with pytest.raises(
+    AssertionError,
+    match=r"difference inf > rtol 1e-05 at params leaf \['b'\]: the"
+    r" accumulated params hold 1 NaN and 0 infinite values there, the"
+    r" large-batch params 0 NaN and 0 infinite",
+  ):
+    testing.assert_equivalent_to_large_batch(
+      masked_mean_loss, optax.sgd(0.1), PARAMS, [batch], 3
+    )
+
+  # The fix: a loss that is 0 on padding only, weighted by real tokens.
+  testing.assert_equivalent_to_large_batch(
+    lambda params, batch: masked_mean_loss(params, batch, safe=True),
+    optax.sgd(0.1),
+    PARAMS,
+    [batch],
+    3,
+    weight_fn=lambda microbatch: jnp.sum(microbatch["mask"]),
+  )
+
+
+def test_assert_names_the_leaf_that_differs_most():
+  with pytest.raises(AssertionError, match=r"at params leaf \['(w|b)'\]\.$"):
+    testing.assert_equivalent_to_large_batch(
+      loss_fn, optax.sgd(0.1), PARAMS, BATCHES, [1, 11], weight_fn=lambda b: 1
     )
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+import ga_optax
 from ga_optax._src.every_k import as_schedule
 
 
@@ -39,3 +41,29 @@ def test_schedule_at_the_int32_limit():
   schedule = as_schedule({0: 4, 2**31 - 1: 2})
   assert int(schedule(jnp.asarray(2**31 - 1, jnp.int32))) == 2
   assert int(schedule(jnp.asarray(2**31 - 2, jnp.int32))) == 4
+
+
+TOO_LARGE = 2**31
+
+
+@pytest.mark.parametrize(
+  ("every_k", "name"),
+  [
+    (TOO_LARGE, r"every_k must"),
+    ({0: TOO_LARGE}, r"every_k\[0\] must"),
+    ({0: 2, 8: TOO_LARGE}, r"every_k\[8\] must"),
+    ({0: 2, TOO_LARGE: 4}, r"every_k dict keys must"),
+  ],
+)
+@pytest.mark.parametrize(
+  "make", [ga_optax.accumulate, ga_optax.accumulate_and_apply]
+)
+def test_k_and_keys_beyond_the_int32_counters(make, every_k, name):
+  with pytest.raises(ValueError, match=name + r" be at most 2\*\*31 - 1"):
+    make(optax.sgd(1.0), every_k)
+
+
+def test_largest_k_the_counters_hold():
+  schedule = as_schedule({0: 2**31 - 1, 2**31 - 1: 2**31 - 1})
+  assert int(schedule(jnp.asarray(0, jnp.int32))) == 2**31 - 1
+  assert int(as_schedule(2**31 - 1)(jnp.asarray(0, jnp.int32))) == 2**31 - 1

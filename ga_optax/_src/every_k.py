@@ -18,6 +18,20 @@ from ga_optax._src import validation
 EveryKSchedule = Callable[[jax.Array], jax.Array]
 EveryK = int | EveryKSchedule | Mapping[int, int]
 
+# k and the dict's keys are compared with the state's int32 counters.
+MAX_COUNT = int(np.iinfo(np.int32).max)
+_COUNTERS = (
+  f"at most 2**31 - 1 = {MAX_COUNT}, the largest value of the state's int32"
+  " counters (micro_step, update_step)"
+)
+
+
+def _check_k(k: object, name: str) -> int:
+  k = validation.check_positive_int(k, name)
+  if k > MAX_COUNT:
+    raise ValueError(f"{name} must be {_COUNTERS}, got {k}.")
+  return k
+
 
 def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
   if not schedule:
@@ -31,16 +45,17 @@ def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
         "every_k dict keys must be non-negative ints (applied-update"
         f" counts), got key {start!r}."
       )
+    if int(start) > MAX_COUNT:
+      raise ValueError(
+        f"every_k dict keys must be {_COUNTERS}, got key {start}."
+      )
   if 0 not in schedule:
     raise ValueError(
       "every_k dict must contain key 0 (the k of the first window), got"
       f" keys {sorted(schedule)}."
     )
   starts = sorted(int(start) for start in schedule)
-  ks = [
-    validation.check_positive_int(schedule[start], f"every_k[{start}]")
-    for start in starts
-  ]
+  ks = [_check_k(schedule[start], f"every_k[{start}]") for start in starts]
   starts_array = np.asarray(starts, dtype=np.int32)
   ks_array = np.asarray(ks, dtype=np.int32)
 
@@ -74,12 +89,13 @@ def as_schedule(every_k: EveryK) -> EveryKSchedule:
   Raises:
     TypeError: ``every_k`` is of a type that is not accepted, or a callable
       that does not return an integer scalar.
-    ValueError: ``every_k`` is an int below 1, or a dict that is empty, lacks
-      key 0, or maps to a k below 1.
+    ValueError: ``every_k`` is an int below 1 or above 2**31 - 1, or a dict
+      that is empty, lacks key 0, has a key above 2**31 - 1, or maps to a k
+      below 1 or above 2**31 - 1.
   """
   if isinstance(every_k, Mapping):
     return _piecewise_constant(every_k)
   if callable(every_k):
     return _checked_callable(every_k)
-  k = validation.check_positive_int(every_k, "every_k")
+  k = _check_k(every_k, "every_k")
   return lambda update_step: jnp.asarray(k, jnp.int32)

@@ -15,7 +15,9 @@ large-batch trajectory; the naive loop divides it by 4 and drifts away.
 
 By default the data are scikit-learn's bundled 8x8 digits (no download); with
 ``--data-dir`` the four Fashion-MNIST IDX files in that folder. The script
-prints a results table and writes a PNG of the three loss curves.
+prints a results table and writes a PNG of the three loss curves to
+``./ga_optax_output/classifier`` under the current directory
+(``--output-dir`` changes it).
 
     python examples/classifier.py
     python examples/classifier.py --data-dir ~/data/fashion-mnist --epochs 2
@@ -42,7 +44,8 @@ from tqdm import tqdm
 
 import ga_optax
 
-DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parent / "output"
+# Under the directory the script is run from, never inside the source tree.
+DEFAULT_OUTPUT_DIR = Path("ga_optax_output", "classifier")
 
 FASHION_MNIST_FILES = {
   "x_train": "train-images-idx3-ubyte.gz",
@@ -403,7 +406,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "--output-dir",
     type=Path,
     default=DEFAULT_OUTPUT_DIR,
-    help=f"where the loss plot goes (default: {DEFAULT_OUTPUT_DIR})",
+    help=f"where the loss plot goes (default: ./{DEFAULT_OUTPUT_DIR})",
   )
   parser.add_argument(
     "--no-progress",
@@ -476,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     )
   plot_path = args.output_dir / "classifier_losses.png"
   plot_losses(runs, plot_path)
-  print(f"\nloss curves: {plot_path}")
+  print(f"\nloss curves: {plot_path.resolve()}")
   return results
 
 

@@ -21,6 +21,10 @@ The sequences come from a synthetic grammar: counting sequences
 stride ``s`` and length, padded to a fixed width. Half are short and half are
 long, so micro-batches differ widely in their token counts.
 
+The script prints a results table and writes a PNG plot to
+``./ga_optax_output/lm_token_weighting`` under the current directory
+(``--output-dir`` changes it).
+
     python examples/lm_token_weighting.py
 """
 
@@ -42,7 +46,8 @@ from tqdm import tqdm
 
 import ga_optax
 
-DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parent / "output"
+# Under the directory the script is run from, never inside the source tree.
+DEFAULT_OUTPUT_DIR = Path("ga_optax_output", "lm_token_weighting")
 
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3
@@ -292,7 +297,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "--output-dir",
     type=Path,
     default=DEFAULT_OUTPUT_DIR,
-    help=f"where the plot goes (default: {DEFAULT_OUTPUT_DIR})",
+    help=f"where the plot goes (default: ./{DEFAULT_OUTPUT_DIR})",
   )
   parser.add_argument(
     "--no-progress",
@@ -398,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     )
   plot_path = args.output_dir / "lm_token_weighting.png"
   plot(losses, distances, plot_path)
-  print(f"\nplot: {plot_path}")
+  print(f"\nplot: {plot_path.resolve()}")
   return results
 
 

@@ -156,6 +156,9 @@ def test_classifier_on_fashion_mnist_files(classifier, tmp_path, capsys):
   assert results["large batch"]["max_param_difference"] == 0.0
   assert (tmp_path / "classifier_losses.png").stat().st_size > 0
   printed = capsys.readouterr().out
+  assert (
+    f"loss curves: {(tmp_path / 'classifier_losses.png').resolve()}" in printed
+  )
   assert "train: 100  test: 20" in printed
   assert "the last batch of each epoch holds 36" in printed
 
@@ -175,6 +178,14 @@ def test_classifier_on_bundled_digits(classifier, tmp_path):
     assert 0.0 <= row["test_accuracy"] <= 1.0
 
 
+@pytest.mark.parametrize("name", ["classifier", "lm_token_weighting"])
+def test_output_goes_under_the_current_directory(name, tmp_path, monkeypatch):
+  # Never into the source tree, which may be read-only or a git checkout.
+  monkeypatch.chdir(tmp_path)
+  output_dir = load_example(name).parse_args([]).output_dir.resolve()
+  assert output_dir == (tmp_path / "ga_optax_output" / name).resolve()
+
+
 def test_lm_sequences_follow_the_grammar(lm_example):
   tokens = lm_example.make_sequences(
     np.random.default_rng(0), count=50, max_symbols=12
@@ -191,7 +202,7 @@ def test_lm_sequences_follow_the_grammar(lm_example):
     assert len(set(strides.tolist())) <= 1
 
 
-def test_lm_token_weighting(lm_example, tmp_path):
+def test_lm_token_weighting(lm_example, tmp_path, capsys):
   results = lm_example.main(
     [
       *("--steps", "4", "--batch-size", "8", "--every-k", "2"),
@@ -208,3 +219,5 @@ def test_lm_token_weighting(lm_example, tmp_path):
   for name in weighted:
     assert results[name]["relative_distance"] < EQUIVALENT
   assert (tmp_path / "lm_token_weighting.png").stat().st_size > 0
+  printed = capsys.readouterr().out
+  assert f"plot: {(tmp_path / 'lm_token_weighting.png').resolve()}" in printed

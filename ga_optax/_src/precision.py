@@ -1,0 +1,116 @@
+"""Whether an accumulator dtype can hold the sum of a window's gradients.
+
+A window's accumulator holds ``sum(weight_i * grad_i)`` over up to k
+micro-steps. As the sum grows, each new term is rounded to the sum's spacing:
+with p significant bits, a sum of k gradients of similar size and sign leaves
+each new one about ``p - log2(k)`` bits, and at ``k = 2**p`` adding one more
+changes nothing. In float32 (p = 24) that is far beyond any window; in
+bfloat16 (p = 8) it is 256 micro-steps, and in float16 (p = 11) 2048.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from ga_optax._src import validation
+from ga_optax._src.every_k import EveryK
+
+
+def significand_bits(dtype: Any) -> int:
+  """Significant bits of a floating dtype, the implicit leading bit included."""
+  return int(jnp.finfo(dtype).nmant) + 1
+
+
+def smallest_imprecise_k(accumulator_dtype: Any) -> int:
+  """The window length from which ``accumulator_dtype`` warns: 2**(p - 2).
+
+  From there on the sum of k gradients of similar size is at least
+  ``2**(p - 2)`` times the average one, so a gradient under a quarter of
+  the average adds nothing, and equal gradients are only a factor 4 from
+  the point, ``k = 2**p``, where they stop adding at all.
+  """
+  return 2 ** (significand_bits(accumulator_dtype) - 2)
+
+
+def _largest_k(every_k: EveryK) -> int | None:
+  if isinstance(every_k, Mapping):
+    return max(int(k) for k in every_k.values())
+  if validation.is_int(every_k):
+    return int(every_k)  # type: ignore[arg-type]
+  return None
+
+
+def warn_if_accumulator_too_narrow(
+  accumulator_dtype: Any, every_k: EveryK, *, stacklevel: int = 2
+) -> None:
+  """Warns when ``accumulator_dtype`` cannot sum windows of ``every_k``.
+
+  Emits a ``UserWarning`` when the largest k that ``every_k`` allows (the
+  int, or the largest value of a dict) is at least ``2**(p - 2)`` for an
+  accumulator with p significant bits: 64 for bfloat16 (p = 8), 512 for
+  float16 (p = 11), 2**22 for float32. A callable ``every_k`` is not
+  looked at: its values are only known inside the traced step, so no
+  warning is possible for it.
+
+  Measured through ``ga_optax.accumulate`` (SGD with learning rate 1, so
+  the update is minus the emitted mean; float32 gradients in):
+
+  - k unit gradients: the mean is exact up to k = 2**p (256 in bfloat16,
+    2048 in float16), then the sum stops growing and the mean comes out as
+    ``2**p / k``: 0.996 at k = 257, 0.852 at 300, 0.5 at 512 in bfloat16;
+    0.5 at 4096 in float16.
+  - k gradients drawn from uniform(0.5, 1.5), relative error of the mean
+    (median / worst of 2048 elements) in bfloat16: 0.15% / 0.38% at k = 1
+    (rounding one value), 0.21% / 1.1% at 8, 0.47% / 2.8% at 64, 0.97% /
+    5.3% at 256, 1.2% / 8.5% at 512, 75% at 2048 (the sum has stopped
+    growing); in float16: 0.02% / 0.05% at 1, 0.17% / 0.78% at 512, 0.33%
+    / 1.9% at 2048, 0.42% / 2.9% at 4096.
+  - zero-mean gradients (normal(0, 1)): the sum does not grow with k, and
+    the error stays at the rounding of one value (bfloat16: a median of
+    0.06% to 0.14% of the gradients' root mean square, for k up to 4096).
+
+  Args:
+    accumulator_dtype: the floating dtype of the accumulator, as given to
+      :func:`ga_optax.accumulate` (already validated).
+    every_k: the window length, as given to :func:`ga_optax.accumulate`
+      (already validated): an int, a ``{update_step: k}`` dict or a callable.
+    stacklevel: as for ``warnings.warn``, counted from the caller of this
+      function: 1 points the warning at the line that calls it, 2 (the
+      default) at the line that called that function.
+
+  Example:
+    >>> import warnings
+    >>> import jax.numpy as jnp
+    >>> from ga_optax._src.precision import warn_if_accumulator_too_narrow
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   warn_if_accumulator_too_narrow(jnp.bfloat16, 300)
+    >>> print(caught[0].message)  # doctest: +ELLIPSIS
+    accumulator_dtype bfloat16 keeps 8 significant bits, too few for windows
+    of k = 300 micro-steps: ...
+  """
+  largest_k = _largest_k(every_k)
+  limit = smallest_imprecise_k(accumulator_dtype)
+  if largest_k is None or largest_k < limit:
+    return
+  bits = significand_bits(accumulator_dtype)
+  stall = 2**bits
+  consequence = (
+    f"a sum of equal gradients stops growing after {stall} of them, so their"
+    f" mean comes out {stall / largest_k:.3g} times the true one"
+    if largest_k > stall
+    else f"from k = {limit} on a gradient under a quarter of the window's"
+    f" average adds nothing, and at k = {stall} even equal ones stop adding"
+  )
+  warnings.warn(
+    f"accumulator_dtype {jnp.dtype(accumulator_dtype).name} keeps {bits}"
+    f" significant bits, too few for windows of k = {largest_k} micro-steps:"
+    f" {consequence}. Keep k below {limit}, or accumulate in a wider dtype"
+    " (jnp.float32, the default, keeps 24 bits).",
+    UserWarning,
+    stacklevel=stacklevel + 1,
+  )

@@ -112,9 +112,9 @@ def elastic_plan(
   num_devices = validation.check_positive_int(num_devices, "num_devices")
   sizes = _check_micro_batch_sizes(micro_batch_sizes, max_micro_batch_size)
   per_device, remainder = divmod(global_batch_size, num_devices)
-  dividing = [
-    size for size in sizes if remainder == 0 and per_device % size == 0
-  ]
+  dividing = (
+    [] if remainder else [size for size in sizes if per_device % size == 0]
+  )
   if not dividing:
     raise ValueError(
       f"num_devices={num_devices} cannot split"

@@ -13,8 +13,9 @@ boundary half-way, restore it and go on on 2 devices with the 2-device
 plan's k. The moved run ends where the runs that never moved end.
 
 Runs on 8 simulated CPU devices (fewer than 8 GPUs are not enough, so then
-the CPU is used); writes a PNG of the loss curves and the checkpoint to a
-new temporary directory unless ``--output-dir`` is given::
+the CPU is used); writes a PNG of the loss curves and the checkpoint to
+``./ga_optax_output/elastic`` under the current directory (``--output-dir``
+changes it)::
 
   python examples/elastic.py
   python examples/elastic.py --epochs 10 --global-batch 128
@@ -36,7 +37,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -53,6 +53,9 @@ from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import ga_optax
+
+# Under the directory the script is run from, never inside the source tree.
+DEFAULT_OUTPUT_DIR = Path("ga_optax_output", "elastic")
 
 
 class MLP(nn.Module):
@@ -319,8 +322,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--output-dir",
     type=Path,
-    help="where the plot and the checkpoint go (default: a new temporary"
-    " directory)",
+    default=DEFAULT_OUTPUT_DIR,
+    help="where the plot and the checkpoint go (default:"
+    f" ./{DEFAULT_OUTPUT_DIR})",
   )
   parser.add_argument(
     "--no-progress",
@@ -351,10 +355,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   args = parse_args(argv)
   counts = sorted(set(args.device_counts) | set(args.move))
   devices = pick_devices(max(counts))
-  output_dir = args.output_dir or Path(
-    tempfile.mkdtemp(prefix="ga_optax_elastic_")
-  )
-  output_dir = output_dir.resolve()
+  output_dir = args.output_dir.resolve()
   sizes = args.micro_batch_sizes
   plans = {
     count: ga_optax.elastic_plan(args.global_batch, count, sizes)

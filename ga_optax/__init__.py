@@ -10,7 +10,10 @@ from ga_optax._src.elastic import (
 )
 from ga_optax._src.flax_utils import applied_updates, apply_gradients
 from ga_optax._src.fused import FusedAccumulation, accumulate_and_apply
-from ga_optax._src.microbatch import microbatched_value_and_grad
+from ga_optax._src.microbatch import (
+  microbatched_value_and_grad,
+  unreduced_value_and_grad,
+)
 from ga_optax._src.planner import (
   MicrobatchPlan,
   micro_step_bytes,
@@ -35,5 +38,6 @@ __all__ = [
   "micro_step_bytes",
   "microbatched_value_and_grad",
   "plan_microbatch",
+  "unreduced_value_and_grad",
   "valid_device_counts",
 ]

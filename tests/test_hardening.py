@@ -85,7 +85,10 @@ def test_the_limit_is_where_a_quarter_gradient_adds_nothing(
 
 def test_bfloat16_sum_of_300_unit_gradients():
   # The measurement the docstring quotes: the window's sum stops at 256.
-  tx = ga_optax.accumulate(optax.sgd(1.0), 300, accumulator_dtype=jnp.bfloat16)
+  with pytest.warns(UserWarning, match="stops growing after 256"):
+    tx = ga_optax.accumulate(
+      optax.sgd(1.0), 300, accumulator_dtype=jnp.bfloat16
+    )
   params = jnp.zeros(2)
 
   @jax.jit
@@ -98,3 +101,17 @@ def test_bfloat16_sum_of_300_unit_gradients():
 
   # 256 / 300, rounded to bfloat16 (it leaves through the accumulator).
   np.testing.assert_array_equal(window(tx.init(params)), -0.8515625)
+
+
+@pytest.mark.parametrize(
+  "make", [ga_optax.accumulate, ga_optax.accumulate_and_apply]
+)
+def test_accumulate_warns_at_the_users_line(make):
+  with pytest.warns(UserWarning, match="bfloat16 keeps 8") as record:
+    line = inspect.currentframe().f_lineno + 1
+    make(optax.sgd(1.0), 300, accumulator_dtype=jnp.bfloat16)
+  assert (record[0].filename, record[0].lineno) == (__file__, line)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    make(optax.sgd(1.0), 63, accumulator_dtype=jnp.bfloat16)
+    make(optax.sgd(1.0), 10**6)

@@ -121,7 +121,8 @@ def test_token_weighted_loss_matches_large_batch(num_microbatches, lengths):
 def test_unweighted_mean_of_padded_loss_is_not_large_batch():
   # The bug token weighting exists to fix: equal weights over micro-batches
   # with different token counts give a different gradient.
-  params, batch = _token_params(), _padded_batch([1, 1, 6, 6], max_len=6)
+  # Micro-batch i holds rows i::2: 1 + 1 tokens against 6 + 6.
+  params, batch = _token_params(), _padded_batch([1, 6, 1, 6], max_len=6)
   _, grads = ga_optax.microbatched_value_and_grad(_token_loss, 2)(params, batch)
   _, expected = jax.value_and_grad(_token_loss)(params, batch)
   assert not np.allclose(grads["scale"], expected["scale"], rtol=1e-3)
@@ -129,7 +130,8 @@ def test_unweighted_mean_of_padded_loss_is_not_large_batch():
 
 @pytest.mark.parametrize("use_jit", [False, True])
 def test_microbatch_without_tokens_is_dropped_not_nan(use_jit):
-  params, batch = _token_params(), _padded_batch([3, 5, 0, 0], max_len=6)
+  # Micro-batch i holds rows i::2: the second one has no tokens.
+  params, batch = _token_params(), _padded_batch([3, 0, 5, 0], max_len=6)
   value_and_grad = ga_optax.microbatched_value_and_grad(
     _token_loss, 2, weight_fn=_count_tokens
   )
@@ -160,12 +162,11 @@ def test_aux_is_stacked_per_microbatch():
   (loss, aux), grads = ga_optax.microbatched_value_and_grad(
     loss_with_aux, 4, has_aux=True
   )(params, batch)
-  microbatches = [
-    jax.tree.map(lambda x, i=i: x[4 * i : 4 * i + 4], batch) for i in range(4)
-  ]
+  # Micro-batch i holds rows i, i + 4, i + 8, ...
+  microbatches = [jax.tree.map(lambda x, i=i: x[i::4], batch) for i in range(4)]
   expected_losses = jnp.stack([_mean_loss(params, mb) for mb in microbatches])
   chex.assert_trees_all_close(aux["loss"], expected_losses, rtol=1e-6)
-  chex.assert_trees_all_equal(aux["first_x"], batch["x"][::4])
+  chex.assert_trees_all_equal(aux["first_x"], batch["x"][:4])
   chex.assert_trees_all_close(loss, jnp.mean(expected_losses), rtol=1e-6)
   chex.assert_trees_all_close(
     grads, jax.grad(_mean_loss)(params, batch), rtol=1e-5, atol=1e-6

@@ -6,18 +6,34 @@ the call that closes the window hands the reduced gradient to the wrapped
 optimizer, once. The wrapped optimizer is evaluated under ``lax.cond`` only on
 that call, so on the other micro-steps it costs nothing and its counters and
 schedules do not move.
+
+A window's life cycle is four functions of :class:`Window`, in call order:
+``admit`` (is this micro-step kept, and with what weight), ``add`` (into the
+accumulator), the conditional that either keeps the window open or closes it
+(reduce across devices, normalise, step the optimizer), and ``reset`` (the
+counters of the next state).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
-from ga_optax._src import distributed, validation
+from ga_optax._src import (
+  distributed,
+  dtypes,
+  eager,
+  precision,
+  sharding,
+  validation,
+)
 from ga_optax._src import every_k as every_k_lib
 
 
@@ -35,11 +51,14 @@ class AccumulateState(NamedTuple):
       (see :func:`emitted`).
     weight_sum: sum of the weights of the micro-steps in the open window.
     accumulator: sum of ``weight * grads`` over the open window, in
-      ``accumulator_dtype``, with the tree of the params. Meaningful only
-      while ``micro_step > 0``: the first micro-step of a window overwrites
-      it instead of adding, so closing a window need not zero it, and the
-      closing call reuses its buffer to carry the updates (see
-      :func:`accumulate`).
+      ``accumulator_dtype`` (complex leaves in the complex dtype of that
+      precision), with the tree of the params. Meaningful only while
+      ``micro_step > 0``: the first micro-step of a window overwrites it
+      instead of adding, so closing a window need not zero it, and the
+      closing call may reuse its buffer to carry the updates (see
+      :func:`accumulate`). With ``unreduced_axes`` its leaves are
+      ``unreduced`` over those mesh axes: each device holds its own partial
+      sum.
     inner_state: the wrapped optimizer's state.
   """
 
@@ -52,36 +71,43 @@ class AccumulateState(NamedTuple):
   inner_state: optax.OptState
 
 
+class Admitted(NamedTuple):
+  """Whether a micro-step is kept, and the window's weight with it."""
+
+  accepted: jax.Array
+  weight_sum: jax.Array
+
+
+class Decision(NamedTuple):
+  """What this call does to the window.
+
+  Attributes:
+    micro_step: the open window's micro-steps, this one included.
+    closes: the window closes on this call (full, or flushed).
+    steps: the inner optimizer runs on this call.
+    scale: what the accumulator is multiplied by as the gradient is added
+      (``1 / weight_sum`` when this call closes a window whose weight is
+      known on this device, else 1).
+  """
+
+  micro_step: jax.Array
+  closes: jax.Array
+  steps: jax.Array
+  scale: jax.Array
+
+
 def _increment_if(count: jax.Array, condition: jax.Array) -> jax.Array:
   """Adds one where ``condition`` holds, saturating at the int32 maximum."""
   limit = jnp.iinfo(count.dtype).max
   return jnp.where(condition & (count < limit), count + 1, count)
 
 
-def _all_finite(tree: Any) -> jax.Array:
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.asarray(True)
-  return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]).all()
+class Window(NamedTuple):
+  """The checked configuration of one accumulation, and its life cycle.
 
-
-def _window_functions(
-  optimizer: optax.GradientTransformation,
-  every_k: every_k_lib.EveryK,
-  *,
-  reduction: str,
-  accumulator_dtype: Any,
-  skip_nonfinite: bool,
-  axis_name: Any,
-) -> tuple[Callable[..., AccumulateState], Callable[..., Any]]:
-  """Checks the arguments; returns the init function and the micro-step.
-
-  Shared by :func:`accumulate` and the fused path, so both take the same
-  arguments, raise the same errors and keep the same state.
-
-  The micro-step returns the updates (``apply_to_params=False``, the
-  ``GradientTransformation`` path) or, for the fused path, the new params
-  with the updates applied inside the closing branch.
+  Shared by :func:`accumulate` and :func:`ga_optax.accumulate_and_apply`, so
+  both take the same arguments, raise the same errors and keep the same
+  state.
 
   How buffers flow decides the cost (see docs/benchmarks.md): the gradient is
   added into the accumulator outside any conditional, in place, and the
@@ -95,29 +121,159 @@ def _window_functions(
   needed once the optimizer has read it. Outside the conditional a select
   turns that output into zeros or updates, which XLA fuses into the
   caller's ``apply_updates``.
-  """
-  inner = validation.check_optimizer(optimizer)
-  schedule = every_k_lib.as_schedule(every_k)
-  reduction = validation.check_reduction(reduction)
-  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
-  axis_name = validation.check_axis_name(axis_name)
-  if not isinstance(skip_nonfinite, bool):
-    raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
-  # Weight sums count tokens; bfloat16 would round them from 256 on.
-  weight_dtype = jnp.promote_types(accumulator_dtype, jnp.float32)
 
-  def init_fn(params: optax.Params) -> AccumulateState:
+  Attributes:
+    inner: the wrapped optimizer, taking extra arguments.
+    schedule: ``update_step -> k``.
+    reduction: ``"mean"`` or ``"sum"``.
+    accumulator_dtype: floating dtype of the accumulator.
+    skip_nonfinite: drop micro-steps whose gradients are not finite.
+    axis_name: manual axes (``shard_map``/``pmap``) to sum over when a
+      window closes; empty for none.
+    unreduced_axes: mesh axes the gradients and the accumulator are
+      ``unreduced`` over; empty for none.
+  """
+
+  inner: optax.GradientTransformationExtraArgs
+  schedule: every_k_lib.EveryKSchedule
+  reduction: str
+  accumulator_dtype: jnp.dtype
+  skip_nonfinite: bool
+  axis_name: sharding.Axes
+  unreduced_axes: sharding.Axes
+
+  @property
+  def weight_dtype(self) -> jnp.dtype:
+    return dtypes.weight_dtype(self.accumulator_dtype)
+
+  @property
+  def weights_are_global(self) -> bool:
+    """Whether every device sees the window's whole weight (no ``axis_name``).
+
+    Then an empty window is known before the conditional, and the mean is
+    formed as the last gradient is added.
+    """
+    return not self.axis_name
+
+  def init(self, params: optax.Params) -> AccumulateState:
+    """The state of an empty window, the accumulator shaped like ``params``."""
+    self.check_mesh()
+    accumulator = jax.tree.map(
+      lambda param: jnp.zeros_like(
+        param, dtypes.sum_dtype(jnp.result_type(param), self.accumulator_dtype)
+      ),
+      params,
+    )
+    if self.unreduced_axes:
+      accumulator = sharding.cast_to_unreduced(accumulator, self.unreduced_axes)
     return AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       update_step=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
       emitted=jnp.zeros((), jnp.bool_),
-      weight_sum=jnp.zeros((), weight_dtype),
-      accumulator=optax.tree.zeros_like(params, dtype=accumulator_dtype),
-      inner_state=inner.init(params),
+      weight_sum=jnp.zeros((), self.weight_dtype),
+      accumulator=accumulator,
+      inner_state=self.inner.init(params),
     )
 
-  def window_step(
+  def check_mesh(self) -> None:
+    """Checks that the named axes are of the kind their argument needs."""
+    if self.unreduced_axes:
+      sharding.check_explicit(self.unreduced_axes, "unreduced_axes")
+    misplaced = sharding.mesh_axes(self.axis_name)
+    if misplaced:
+      raise ValueError(
+        f"axis_name {self.axis_name!r} names mesh axes {misplaced!r} that no"
+        " enclosing jax.shard_map is manual over: it is for steps inside"
+        " shard_map or pmap. Under a plain jax.jit with a sharded batch,"
+        " pass unreduced_axes=... and gradients from"
+        " ga_optax.unreduced_value_and_grad instead."
+      )
+
+  def admit(
+    self, grads: optax.Updates, state: AccumulateState, weight: Any
+  ) -> Admitted:
+    """Whether this micro-step counts, and the window's weight after it."""
+    weight_sum = state.weight_sum + jnp.asarray(weight, self.weight_dtype)
+    if not self.skip_nonfinite:
+      return Admitted(jnp.asarray(True), weight_sum)
+    accepted = _all_finite(grads, self.unreduced_axes)
+    if self.axis_name:
+      # Every device must drop the same micro-steps.
+      accepted = jax.lax.pmin(accepted.astype(jnp.int32), self.axis_name) > 0
+    return Admitted(accepted, jnp.where(accepted, weight_sum, state.weight_sum))
+
+  def decide(
+    self, state: AccumulateState, admitted: Admitted, flush: Any
+  ) -> Decision:
+    """Counts the micro-step and decides whether the window closes."""
+    micro_step = _increment_if(state.micro_step, admitted.accepted)
+    closes = (micro_step >= self.schedule(state.update_step)) | flush
+    scale = jnp.ones((), self.accumulator_dtype)
+    if not self.weights_are_global:
+      # The window's weight is only known after the closing reduction.
+      return Decision(micro_step, closes, closes, scale)
+    steps = closes & (admitted.weight_sum > 0)
+    if self.reduction == "mean":
+      weight_sum = jnp.where(steps, admitted.weight_sum, 1.0)
+      scale = jnp.where(steps, 1.0 / weight_sum, 1.0).astype(scale.dtype)
+    return Decision(micro_step, closes, steps, scale)
+
+  def add(
+    self,
+    state: AccumulateState,
+    grads: optax.Updates,
+    weight: Any,
+    admitted: Admitted,
+    decision: Decision,
+  ) -> optax.Updates:
+    """The accumulator with ``weight * grads`` added, scaled by ``decision``.
+
+    The first micro-step of a window overwrites the stale buffer: a select,
+    not a multiply, since a stale buffer may hold anything, NaN too.
+    """
+    restarts = state.micro_step == 0
+    weight = sharding.as_reduced(weight, self.unreduced_axes)
+    scale = sharding.as_reduced(decision.scale, self.unreduced_axes)
+    scaled = self.weights_are_global and self.reduction == "mean"
+
+    def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
+      kept = jnp.where(restarts, jnp.zeros_like(total), total)
+      added = kept + _weighted(grad, weight, total.dtype)
+      if self.skip_nonfinite:
+        added = jnp.where(admitted.accepted, added, total)
+      return added * scale.astype(added.dtype) if scaled else added
+
+    return jax.tree.map(add_grad, state.accumulator, grads)
+
+  def reduce(
+    self,
+    accumulator: optax.Updates,
+    weight_sum: jax.Array,
+    params: optax.Params | None,
+  ) -> tuple[optax.Updates, jax.Array]:
+    """The window's sum and weight, reduced over the devices (closing only).
+
+    The one cross-device reduction of a window: an all-reduce over
+    ``axis_name``, or the reshard of an accumulator unreduced over
+    ``unreduced_axes`` to the params' sharding.
+    """
+    if self.unreduced_axes:
+      return sharding.reduce_unreduced(accumulator, params), weight_sum
+    accumulator, weight_sum = distributed.sum_across_devices(
+      (accumulator, weight_sum), self.axis_name or None
+    )
+    if not self.weights_are_global and self.reduction == "mean":
+      # The guard keeps a window without weight from computing 0 / 0; such
+      # a window does not step the inner optimizer anyway.
+      scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
+      accumulator = jax.tree.map(
+        lambda total: total * scale.astype(total.dtype), accumulator
+      )
+    return accumulator, weight_sum
+
+  def update(
+    self,
     grads: optax.Updates,
     state: AccumulateState,
     params: optax.Params | None,
@@ -127,139 +283,189 @@ def _window_functions(
     extra_args: dict[str, Any],
     apply_to_params: bool,
   ) -> tuple[Any, AccumulateState]:
-    if not isinstance(state, AccumulateState):
-      raise TypeError(
-        "state must be the AccumulateState made by this transformation's"
-        " init (or restored into its structure), got"
-        f" {type(state).__name__}."
-      )
-    validation.check_grads_match(grads, state.accumulator)
+    """One micro-step: the updates (or, fused, the new params) and state."""
+    state = _check_state(state)
+    self.check_mesh()
+    validation.check_grads_match(grads, state.accumulator, self.unreduced_axes)
     weight = validation.check_weight(weight)
     flush = validation.check_flush(flush)
 
-    weight_sum = state.weight_sum + jnp.asarray(weight, weight_dtype)
-    accepted = jnp.asarray(True)
-    if skip_nonfinite:
-      accepted = _all_finite(grads)
-      if axis_name is not None:
-        accepted = jax.lax.pmin(accepted.astype(jnp.int32), axis_name) > 0
-      weight_sum = jnp.where(accepted, weight_sum, state.weight_sum)
-
-    micro_step = _increment_if(state.micro_step, accepted)
-    closes = (micro_step >= schedule(state.update_step)) | flush
-    # Without a device axis the window's weight is known here, so an empty
-    # window (a flush with no weight) takes the open branch and the closing
-    # branch needs no nested conditional (which would need its own output
-    # buffers); the mean is also formed here, by the same loop that adds the
-    # gradient, so the optimizer reads it from the accumulator's buffer.
-    local = axis_name is None
-    steps = closes & (weight_sum > 0) if local else closes
-    scale = jnp.ones((), accumulator_dtype)
-    if local and reduction == "mean":
-      scale = jnp.where(steps, 1.0 / jnp.where(steps, weight_sum, 1.0), 1.0)
-      scale = scale.astype(accumulator_dtype)
-
-    restarts = state.micro_step == 0
-
-    def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
-      # A select, not a multiply: a stale buffer may hold anything, NaN too.
-      kept = jnp.where(restarts, jnp.zeros((), total.dtype), total)
-      added = kept + _weighted(grad, weight, accumulator_dtype)
-      if skip_nonfinite:
-        added = jnp.where(accepted, added, total)
-      if local and reduction == "mean":
-        added = added * scale
-      return added
-
-    accumulator = jax.tree.map(add_grad, state.accumulator, grads)
-
-    inner_updates_shape = jax.eval_shape(
-      lambda: inner.update(grads, state.inner_state, params, **extra_args)[0]
-    )
-    # The updates ride in the accumulator's buffer when every leaf converts
-    # to the accumulator's dtype and back exactly (bfloat16 updates in a
-    # float32 accumulator do); otherwise the open branch writes zeros.
-    carries_updates = not apply_to_params and _fits_exactly(
-      inner_updates_shape, state.accumulator
-    )
-
-    def unchanged(params, accumulator, inner_state):
-      if apply_to_params:
-        return params, inner_state, jnp.asarray(False)
-      if carries_updates:
-        return accumulator, inner_state, jnp.asarray(False)
-      zeros = optax.tree.zeros_like(inner_updates_shape)
-      return zeros, inner_state, jnp.asarray(False)
-
-    def close_window(params, accumulator, inner_state):
-      accumulator, total_weight = distributed.sum_across_devices(
-        (accumulator, weight_sum), axis_name
-      )
-      if not local and reduction == "mean":
-        # The guard keeps a window without weight from computing 0 / 0; such
-        # a window does not step the inner optimizer anyway.
-        device_scale = 1.0 / jnp.where(total_weight > 0, total_weight, 1.0)
-        accumulator = jax.tree.map(
-          lambda total: total * device_scale.astype(total.dtype), accumulator
-        )
-      reduced = jax.tree.map(
-        lambda total, g: total.astype(g.dtype), accumulator, grads
-      )
-
-      def step_inner(params, inner_state):
-        new_updates, new_inner_state = inner.update(
-          reduced, inner_state, params, **extra_args
-        )
-        if apply_to_params:
-          new_updates = optax.apply_updates(params, new_updates)
-        elif carries_updates:
-          new_updates = jax.tree.map(
-            lambda update, slot: update.astype(slot.dtype),
-            new_updates,
-            accumulator,
-          )
-        return new_updates, new_inner_state, jnp.asarray(True)
-
-      if local:
-        return step_inner(params, inner_state)
-      # Only here is the window's total weight known: a nested conditional
-      # (with its own output buffers) keeps an empty window from stepping.
-      return jax.lax.cond(
-        total_weight > 0,
-        step_inner,
-        lambda params, inner_state: unchanged(params, accumulator, inner_state),
-        params,
-        inner_state,
-      )
-
+    admitted = self.admit(grads, state, weight)
+    decision = self.decide(state, admitted, flush)
+    accumulator = self.add(state, grads, weight, admitted, decision)
+    closing = Closing(self, grads, state, params, extra_args, apply_to_params)
     output, inner_state, stepped = jax.lax.cond(
-      steps,
-      close_window,
-      unchanged,
+      decision.steps,
+      functools.partial(closing.close, weight_sum=admitted.weight_sum),
+      closing.keep_open,
       params,
       accumulator,
       state.inner_state,
     )
     new_state = AccumulateState(
-      micro_step=jnp.where(closes, 0, micro_step),
+      micro_step=jnp.where(decision.closes, 0, decision.micro_step),
       update_step=_increment_if(state.update_step, stepped),
-      num_skipped=_increment_if(state.num_skipped, ~accepted),
+      num_skipped=_increment_if(state.num_skipped, ~admitted.accepted),
       emitted=stepped,
-      weight_sum=jnp.where(closes, jnp.zeros_like(weight_sum), weight_sum),
-      accumulator=output if carries_updates else accumulator,
+      weight_sum=jnp.where(
+        decision.closes,
+        jnp.zeros_like(admitted.weight_sum),
+        admitted.weight_sum,
+      ),
+      accumulator=output if closing.carries_updates else accumulator,
       inner_state=inner_state,
     )
-    if carries_updates:
-      output = jax.tree.map(
-        lambda carried, like: jnp.where(
-          stepped, carried.astype(like.dtype), jnp.zeros((), like.dtype)
-        ),
-        output,
-        inner_updates_shape,
-      )
-    return output, new_state
+    return closing.emitted_output(output, stepped), new_state
 
-  return init_fn, window_step
+
+@dataclasses.dataclass
+class Closing:
+  """The two branches of a micro-step's conditional, and what they return.
+
+  Attributes:
+    window: the accumulation's configuration.
+    grads: this micro-step's gradients (for their tree and dtypes).
+    state: the state before this micro-step.
+    params: the params (None when the transformation is called without).
+    extra_args: forwarded to the inner optimizer.
+    apply_to_params: the fused path: return params, not updates.
+  """
+
+  window: Window
+  grads: optax.Updates
+  state: AccumulateState
+  params: optax.Params | None
+  extra_args: dict[str, Any]
+  apply_to_params: bool
+
+  @functools.cached_property
+  def updates_like(self) -> Any:
+    """Shapes and dtypes of the inner optimizer's updates for these grads."""
+    window = self.window
+
+    def inner_updates(grads: Any) -> Any:
+      if window.unreduced_axes:
+        grads = sharding.reduce_unreduced(grads, self.params)
+      return window.inner.update(
+        grads, self.state.inner_state, self.params, **self.extra_args
+      )[0]
+
+    return jax.eval_shape(inner_updates, self.grads)
+
+  @property
+  def carries_updates(self) -> bool:
+    """Whether the updates ride in the accumulator's buffer.
+
+    They do when every leaf converts to the accumulator's dtype and back
+    exactly (bfloat16 updates in a float32 accumulator do) and the
+    accumulator is an ordinary array (not unreduced); otherwise the open
+    branch writes zeros.
+    """
+    if self.apply_to_params or self.window.unreduced_axes:
+      return False
+    return _fits_exactly(self.updates_like, self.state.accumulator)
+
+  def keep_open(
+    self, params: Any, accumulator: Any, inner_state: Any
+  ) -> tuple[Any, Any, jax.Array]:
+    """The open branch: everything handed back untouched."""
+    if self.apply_to_params:
+      return params, inner_state, jnp.asarray(False)
+    if self.carries_updates:
+      return accumulator, inner_state, jnp.asarray(False)
+    zeros = optax.tree.zeros_like(self.updates_like)
+    return zeros, inner_state, jnp.asarray(False)
+
+  def close(
+    self, params: Any, accumulator: Any, inner_state: Any, *, weight_sum: Any
+  ) -> tuple[Any, Any, jax.Array]:
+    """The closing branch: reduce, normalise, step the optimizer once."""
+    window = self.window
+    accumulator, total_weight = window.reduce(accumulator, weight_sum, params)
+    reduced = jax.tree.map(
+      lambda total, grad: total.astype(grad.dtype), accumulator, self.grads
+    )
+
+    def step_inner(params: Any, inner_state: Any) -> tuple[Any, Any, Any]:
+      new_updates, new_inner_state = window.inner.update(
+        reduced, inner_state, params, **self.extra_args
+      )
+      # Gradients wider than the params (float32 for bfloat16, say) would
+      # widen the optimizer's state; it keeps its dtypes from call to call.
+      new_inner_state = _with_dtypes_of(new_inner_state, inner_state)
+      if self.apply_to_params:
+        new_updates = optax.apply_updates(params, new_updates)
+      elif self.carries_updates:
+        new_updates = jax.tree.map(
+          lambda update, slot: update.astype(slot.dtype),
+          new_updates,
+          accumulator,
+        )
+      return new_updates, new_inner_state, jnp.asarray(True)
+
+    if window.weights_are_global:
+      return step_inner(params, inner_state)
+    # Only here is the window's total weight known: a nested conditional
+    # (with its own output buffers) keeps an empty window from stepping.
+    return jax.lax.cond(
+      total_weight > 0,
+      step_inner,
+      lambda params, inner_state: self.keep_open(
+        params, accumulator, inner_state
+      ),
+      params,
+      inner_state,
+    )
+
+  def emitted_output(self, output: Any, stepped: jax.Array) -> Any:
+    """The conditional's output as the caller sees it: zeros until a step."""
+    if not self.carries_updates:
+      return output
+    return jax.tree.map(
+      lambda carried, like: jnp.where(
+        stepped, carried.astype(like.dtype), jnp.zeros((), like.dtype)
+      ),
+      output,
+      self.updates_like,
+    )
+
+
+def _check_state(state: Any) -> AccumulateState:
+  if not isinstance(state, AccumulateState):
+    raise TypeError(
+      "state must be the AccumulateState made by this transformation's"
+      " init (or restored into its structure), got"
+      f" {type(state).__name__}."
+    )
+  return state
+
+
+def _all_finite(tree: Any, unreduced_axes: sharding.Axes) -> jax.Array:
+  """Whether every leaf of ``tree`` is finite, on every device.
+
+  Unreduced partial sums cannot be inspected elementwise; the sum of all
+  their elements is reduced instead (a 4-byte all-reduce), which is
+  non-finite whenever any element on any device is (or the elements sum
+  beyond the float range).
+  """
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.asarray(True)
+  if unreduced_axes:
+    total = sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in leaves)
+    return jnp.isfinite(jax.reshard(total, PartitionSpec()))
+  return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]).all()
+
+
+def _with_dtypes_of(tree: Any, like: Any) -> Any:
+  """``tree`` with each array leaf cast to the dtype of its twin in ``like``."""
+  return jax.tree.map(
+    lambda leaf, twin: (
+      jnp.asarray(leaf).astype(twin.dtype) if hasattr(twin, "dtype") else leaf
+    ),
+    tree,
+    like,
+  )
 
 
 def _fits_exactly(updates_shape: Any, accumulator: Any) -> bool:
@@ -281,10 +487,82 @@ def _weighted(grad: jax.Array, weight: Any, dtype: Any) -> jax.Array:
   grad = grad.astype(dtype)
   if isinstance(weight, (int, float)) and weight == 1:
     return grad
-  weight = jnp.asarray(weight, dtype)
+  weight = jnp.asarray(weight).astype(dtype)
   # A micro-batch of weight 0 (all padding, say) must add nothing, even
   # though the gradient of its mean loss is 0 / 0 = NaN: 0 * NaN is NaN.
-  return jnp.where(weight == 0, 0, weight * grad)
+  return jnp.where(weight == 0, jnp.zeros_like(grad), weight * grad)
+
+
+def make_window(
+  optimizer: Any,
+  every_k: Any,
+  *,
+  reduction: Any,
+  accumulator_dtype: Any,
+  skip_nonfinite: Any,
+  axis_name: Any,
+  unreduced_axes: Any,
+) -> Window:
+  """Checks the arguments of :func:`accumulate`; returns its :class:`Window`."""
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
+  axis_name = validation.check_axis_name(axis_name)
+  unreduced = () if unreduced_axes is None else unreduced_axes
+  unreduced = sharding.as_axes(unreduced, "unreduced_axes") if unreduced else ()
+  if axis_name is not None and unreduced:
+    raise ValueError(
+      "pass axis_name (inside jax.shard_map or pmap) or unreduced_axes"
+      f" (under a plain jax.jit), not both; got axis_name={axis_name!r} and"
+      f" unreduced_axes={unreduced!r}."
+    )
+  schedule = every_k_lib.as_schedule(every_k)
+  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  # Points at the user's call of accumulate or accumulate_and_apply.
+  precision.warn_if_accumulator_too_narrow(
+    accumulator_dtype, every_k, stacklevel=3
+  )
+  return Window(
+    inner=validation.check_optimizer(optimizer),
+    schedule=schedule,
+    reduction=validation.check_reduction(reduction),
+    accumulator_dtype=accumulator_dtype,
+    skip_nonfinite=skip_nonfinite,
+    axis_name=()
+    if axis_name is None
+    else sharding.as_axes(axis_name, "axis_name"),
+    unreduced_axes=unreduced,
+  )
+
+
+def compiled_step(
+  window: Window, *, apply_to_params: bool
+) -> Callable[..., tuple[Any, AccumulateState]]:
+  """``window.update`` for one path, compiled once when called eagerly.
+
+  Under a caller's ``jit`` it runs as written. Called eagerly, a concrete
+  ``weight`` is checked first and passed as an array, so that micro-batches
+  of different sizes share one compiled program.
+  """
+  step = eager.compiled_when_eager(
+    functools.partial(window.update, apply_to_params=apply_to_params)
+  )
+
+  def checked_step(
+    grads: Any,
+    state: Any,
+    params: Any,
+    *,
+    weight: Any,
+    flush: Any,
+    extra_args: dict[str, Any],
+  ) -> tuple[Any, AccumulateState]:
+    if not eager.is_traced((grads, state, params, weight, flush, extra_args)):
+      weight = jnp.asarray(validation.check_weight(weight))
+    return step(
+      grads, state, params, weight=weight, flush=flush, extra_args=extra_args
+    )
+
+  return checked_step
 
 
 def accumulate(
@@ -295,6 +573,7 @@ def accumulate(
   accumulator_dtype: Any = jnp.float32,
   skip_nonfinite: bool = False,
   axis_name: Any = None,
+  unreduced_axes: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` micro-steps, then steps ``optimizer``.
 
@@ -322,6 +601,11 @@ def accumulate(
   * any other keyword: forwarded to ``optimizer.update`` when the window
     closes (for example ``value=`` for ``optax.contrib.reduce_on_plateau``).
 
+  Gradients may be wider or narrower than the params (float32 gradients of
+  bfloat16 params, or the reverse, leaf by leaf): the updates come out with
+  the dtypes ``optimizer`` gives for those gradients, and the state keeps
+  its dtypes from call to call. Complex params get a complex accumulator.
+
   Under ``jax.vmap`` (several models trained side by side) the window's
   ``lax.cond`` gets a batched predicate and becomes a select: both branches
   run on every micro-step, so each micro-step pays for a full step of
@@ -329,6 +613,7 @@ def accumulate(
   ``optax.MultiSteps`` always does. The results are unchanged, even for
   models whose windows are out of phase. Under ``jit``, ``pmap`` and
   ``jax.shard_map`` the predicate is a scalar and only one branch runs.
+  Called outside ``jit``, ``update`` compiles once per shapes and dtypes.
 
   Args:
     optimizer: the optax transformation to apply once per window: a chain,
@@ -342,12 +627,21 @@ def accumulate(
       float32 accumulation of bfloat16 gradients.
     skip_nonfinite: drop a micro-step whose gradients hold NaN or Inf
       whole: not added, not counted toward k, and counted in
-      ``num_skipped``. With ``axis_name`` the finiteness check is global
-      (a scalar all-reduce per micro-step) so that every device drops the
-      same micro-steps.
+      ``num_skipped``. With ``axis_name`` or ``unreduced_axes`` the check is
+      global (a scalar all-reduce per micro-step) so that every device drops
+      the same micro-steps.
     axis_name: inside ``jax.shard_map`` or ``pmap``, the data-parallel axis.
       Micro-steps accumulate device-locally with no collective; the closing
       call sums accumulator and weights over the axis once.
+    unreduced_axes: under a plain ``jax.jit`` with a batch sharded over
+      Explicit mesh axes, those axes: ``init`` makes the accumulator
+      ``unreduced`` over them (each parameter's sharding kept otherwise),
+      ``update`` takes gradients unreduced over them (from
+      :func:`ga_optax.unreduced_value_and_grad`) and adds them with no
+      collective, and the closing call reduces the accumulator once, inside
+      the branch that closes the window. ``weight`` is then the
+      micro-batch's global weight. Checkpoint such a state mid-window
+      through :func:`ga_optax.stack_partial_sums`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -355,10 +649,14 @@ def accumulate(
 
   Raises:
     TypeError: ``optimizer`` is not a GradientTransformation, or
-      ``every_k``, ``accumulator_dtype`` or ``axis_name`` has a wrong type.
-    ValueError: ``every_k`` below 1, a bad ``every_k`` dict, or an unknown
-      ``reduction``. ``update`` raises for ``grads`` that do not match the
-      state and for a bad ``weight`` or ``flush``.
+      ``every_k``, ``accumulator_dtype``, ``axis_name`` or
+      ``unreduced_axes`` has a wrong type.
+    ValueError: ``every_k`` below 1, a bad ``every_k`` dict, an unknown
+      ``reduction``, or both ``axis_name`` and ``unreduced_axes``. ``init``
+      and ``update`` raise for axes that are not of the mesh kind their
+      argument needs; ``update`` raises for ``grads`` that do not match the
+      state (tree, shapes, dtypes, or unreduced axes) and for a bad
+      ``weight`` or ``flush``.
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
@@ -372,14 +670,16 @@ def accumulate(
     >>> updates["w"], bool(ga_optax.emitted(state))
     (Array([-0.2, -0.2, -0.2], dtype=float32), True)
   """
-  init_fn, window_step = _window_functions(
+  window = make_window(
     optimizer,
     every_k,
     reduction=reduction,
     accumulator_dtype=accumulator_dtype,
     skip_nonfinite=skip_nonfinite,
     axis_name=axis_name,
+    unreduced_axes=unreduced_axes,
   )
+  step = compiled_step(window, apply_to_params=False)
 
   def update_fn(
     updates: optax.Updates,
@@ -390,17 +690,11 @@ def accumulate(
     flush: Any = False,
     **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
-    return window_step(
-      updates,
-      state,
-      params,
-      weight=weight,
-      flush=flush,
-      extra_args=extra_args,
-      apply_to_params=False,
+    return step(
+      updates, state, params, weight=weight, flush=flush, extra_args=extra_args
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(window.init, update_fn)
 
 
 def emitted(state: Any) -> jax.Array:

@@ -5,8 +5,9 @@ updates (zeros until the window closes) that the caller adds to the params:
 inside one ``jit`` XLA fuses the zeros into that add, but the params are
 still read and written on every micro-step. ``accumulate_and_apply`` takes
 the params instead and updates them inside the conditional that runs the
-optimizer, so a micro-step only adds the gradient into the accumulator. It keeps the state of ``accumulate``, with the
-same fields and meanings, and is built by the same code.
+optimizer, so a micro-step only adds the gradient into the accumulator. It keeps the state
+of ``accumulate``, with the same fields and meanings, and is built by the
+same code.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def accumulate_and_apply(
   accumulator_dtype: Any = jnp.float32,
   skip_nonfinite: bool = False,
   axis_name: Any = None,
+  unreduced_axes: Any = None,
 ) -> FusedAccumulation:
   """Gradient accumulation that updates the params itself, in one call.
 
@@ -84,6 +86,8 @@ def accumulate_and_apply(
     accumulator_dtype: floating dtype of the accumulator.
     skip_nonfinite: drop micro-steps whose gradients hold NaN or Inf.
     axis_name: the data-parallel axis inside ``jax.shard_map`` or ``pmap``.
+    unreduced_axes: under a plain ``jax.jit``, the Explicit mesh axes the
+      gradients are unreduced over, as for :func:`ga_optax.accumulate`.
 
   Returns:
     A :class:`FusedAccumulation` ``(init, apply)``.
@@ -104,14 +108,16 @@ def accumulate_and_apply(
     >>> params["w"], bool(ga_optax.emitted(state))
     (Array([0.8, 0.8, 0.8], dtype=float32), True)
   """
-  init_fn, window_step = accumulate_lib._window_functions(
+  window = accumulate_lib.make_window(
     optimizer,
     every_k,
     reduction=reduction,
     accumulator_dtype=accumulator_dtype,
     skip_nonfinite=skip_nonfinite,
     axis_name=axis_name,
+    unreduced_axes=unreduced_axes,
   )
+  step = accumulate_lib.compiled_step(window, apply_to_params=True)
 
   def apply_fn(
     params: optax.Params,
@@ -122,14 +128,8 @@ def accumulate_and_apply(
     flush: Any = False,
     **extra_args: Any,
   ) -> tuple[optax.Params, accumulate_lib.AccumulateState]:
-    return window_step(
-      grads,
-      state,
-      params,
-      weight=weight,
-      flush=flush,
-      extra_args=extra_args,
-      apply_to_params=True,
+    return step(
+      grads, state, params, weight=weight, flush=flush, extra_args=extra_args
     )
 
-  return FusedAccumulation(init=init_fn, apply=apply_fn)
+  return FusedAccumulation(init=window.init, apply=apply_fn)

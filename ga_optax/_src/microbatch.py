@@ -3,161 +3,272 @@
 ``microbatched_value_and_grad`` turns a loss on a batch into a function that
 splits the batch into micro-batches, computes each one's value and gradient
 inside a ``lax.scan`` (so only one micro-batch's activations are alive at a
-time), and returns their weighted mean. The gradient is carried through the
-scan in a floating accumulator; with ``axis_name`` the sums are reduced
-across devices once, after the scan.
+time), and returns their weighted mean. The pipeline has three stages, each a
+function below: split the batch (:func:`sharding.split_microbatches`), add
+one micro-batch's weighted value and gradient into the sums (the scan body,
+:meth:`Microbatching.add_microbatch`), and reduce the sums to means once,
+after the scan (:meth:`Microbatching.mean`).
+
+On several devices the scan runs per device, on each device's own rows, and
+the sums are reduced once after it: inside a ``jax.shard_map`` the caller
+wrote (``axis_name``), or inside one this module writes over the mesh axes a
+batch is sharded over under a plain ``jax.jit`` (:func:`per_device_sums`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
+from jax.sharding import AxisType, PartitionSpec
 
-from ga_optax._src import distributed, validation
+from ga_optax._src import dtypes, eager, sharding, validation
 
 WeightFn = Callable[[Any], Any]
 
 
-def split_microbatches(batch: Any, num_microbatches: int) -> Any:
-  """Reshapes every leaf of ``batch`` from ``(B, ...)`` to ``(k, B // k, ...)``.
+class Sums(NamedTuple):
+  """Weighted sums over micro-batches, kept in the carry of the scan.
 
-  Micro-batch ``i`` holds the contiguous rows ``[i * B // k, (i + 1) * B // k)``.
-
-  Raises:
-    ValueError: ``batch`` has no array leaves, a leaf has no leading axis,
-      the leaves' leading sizes differ, or they are not divisible by
-      ``num_microbatches``.
+  Attributes:
+    grads: ``sum(w_i * grad_i)``, a tree like the params.
+    value: ``sum(w_i * value_i)``.
+    weight: ``sum(w_i)``; NaN once a negative weight was seen.
   """
-  leaves_with_paths = jax.tree_util.tree_flatten_with_path(batch)[0]
-  if not leaves_with_paths:
-    raise ValueError(
-      "batch must be a pytree of arrays with a leading batch axis, got one"
-      " with no leaves."
+
+  grads: Any
+  value: jax.Array
+  weight: jax.Array
+
+
+class Microbatching(NamedTuple):
+  """How to split a batch and sum its micro-batches' values and gradients.
+
+  Attributes:
+    grad_fn: ``jax.value_and_grad`` of the (possibly rematerialised) loss.
+    num_microbatches: micro-batches per batch.
+    has_aux: the loss returns ``(value, aux)``.
+    weight_fn: ``microbatch -> scalar weight``, or None for weight 1.
+    accumulator_dtype: the floating dtype of the gradient sums.
+  """
+
+  grad_fn: Callable[..., Any]
+  num_microbatches: int
+  has_aux: bool
+  weight_fn: WeightFn | None
+  accumulator_dtype: jnp.dtype
+
+  def zeros(self, params: Any) -> Sums:
+    """Empty sums for ``params``."""
+    return Sums(
+      # zeros_like keeps each parameter's sharding over other mesh axes.
+      grads=jax.tree.map(
+        lambda param: jnp.zeros_like(
+          param,
+          dtypes.sum_dtype(jnp.result_type(param), self.accumulator_dtype),
+        ),
+        params,
+      ),
+      value=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
+      weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
     )
-  sizes = {}
-  for path, leaf in leaves_with_paths:
-    shape = jnp.shape(leaf)
-    if not shape:
+
+  def weight_of(self, microbatch: Any) -> jax.Array:
+    """The micro-batch's weight; a negative one becomes NaN.
+
+    A negative weight cannot be refused at trace time; NaN makes it poison
+    the result instead of giving a plausible wrong number.
+    """
+    weight_dtype = dtypes.weight_dtype(self.accumulator_dtype)
+    if self.weight_fn is None:
+      return jnp.ones((), weight_dtype)
+    weight = self.weight_fn(microbatch)
+    if jnp.shape(weight) != ():
       raise ValueError(
-        f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf of"
-        " batch needs a leading batch axis to split into micro-batches."
-        " Pass per-call constants as extra positional arguments instead."
+        "weight_fn must return a scalar per micro-batch (for example its"
+        f" number of real tokens), got shape {jnp.shape(weight)}."
       )
-    sizes[jax.tree_util.keystr(path)] = shape[0]
-  if len(set(sizes.values())) > 1:
-    raise ValueError(
-      "every leaf of batch must have the same leading (batch) size, got"
-      f" {sizes}."
+    dtype = jnp.result_type(weight)
+    if (
+      not (
+        jnp.issubdtype(dtype, jnp.integer)
+        or jnp.issubdtype(dtype, jnp.floating)
+      )
+      or dtype == jnp.bool_
+    ):
+      raise TypeError(
+        "weight_fn must return a real number (an integer or floating"
+        f" scalar such as a token count), got dtype {dtype}. A boolean"
+        " mask must be summed first."
+      )
+    weight = jnp.asarray(weight, weight_dtype)
+    return jnp.where(weight < 0, jnp.nan, weight)
+
+  def add_microbatch(
+    self,
+    sums: Sums,
+    params: Any,
+    microbatch: Any,
+    call_args: tuple[Any, ...],
+    call_kwargs: dict[str, Any],
+  ) -> tuple[Sums, Any]:
+    """Adds one micro-batch's weighted value and gradient to ``sums``."""
+    output, grads = self.grad_fn(params, microbatch, *call_args, **call_kwargs)
+    value, aux = output if self.has_aux else (output, None)
+    weight = self.weight_of(microbatch)
+    # A weight-0 micro-batch may hold a 0 / 0 loss: select, not multiply.
+    has_weight = weight > 0
+
+    def add(total: jax.Array, term: jax.Array) -> jax.Array:
+      term = term.astype(total.dtype)
+      if self.weight_fn is None:
+        return total + term
+      weighted = weight.astype(total.dtype) * term
+      return total + jnp.where(has_weight, weighted, jnp.zeros((), total.dtype))
+
+    new_sums = Sums(
+      grads=jax.tree.map(add, sums.grads, grads),
+      value=add(sums.value, value),
+      weight=sums.weight + weight,
     )
-  batch_size = next(iter(sizes.values()))
-  if batch_size % num_microbatches:
-    raise ValueError(
-      f"the leading size of batch ({batch_size}) must be divisible by"
-      f" num_microbatches ({num_microbatches})."
+    return new_sums, aux
+
+  def sums(
+    self,
+    params: Any,
+    batch: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rng: Any,
+    varying_axes: sharding.Axes = (),
+  ) -> tuple[Sums, Any]:
+    """The weighted sums over ``batch``'s micro-batches, on this device.
+
+    ``varying_axes``: inside ``jax.shard_map``, the manual axes the
+    gradients vary over; the carry is cast to vary over them too, so that
+    the scan keeps its type.
+    """
+    microbatches = sharding.split_microbatches(batch, self.num_microbatches)
+    initial = sharding.cast_to_varying(self.zeros(params), varying_axes)
+
+    def scan_body(sums: Sums, xs: tuple[jax.Array, Any]) -> tuple[Sums, Any]:
+      index, microbatch = xs
+      call_kwargs = dict(kwargs)
+      if rng is not None:
+        call_kwargs["rng"] = jax.random.fold_in(rng, index)
+      return self.add_microbatch(sums, params, microbatch, args, call_kwargs)
+
+    indices = jnp.arange(self.num_microbatches, dtype=jnp.int32)
+    return jax.lax.scan(scan_body, initial, (indices, microbatches))
+
+  def mean(self, sums: Sums, params: Any) -> tuple[jax.Array, Any]:
+    """``(value, grads)``: the sums over their weight, grads in params' dtypes.
+
+    All-zero weights (a batch of padding only) give zeros, not 0 / 0; a NaN
+    weight (a negative one was seen) gives NaN.
+    """
+    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)
+    grads = jax.tree.map(
+      lambda total, param: (total * scale.astype(total.dtype)).astype(
+        jnp.result_type(param)
+      ),
+      sums.grads,
+      params,
     )
-  return jax.tree.map(
-    lambda leaf: jnp.reshape(
-      leaf, (num_microbatches, batch_size // num_microbatches, *leaf.shape[1:])
-    ),
-    batch,
-  )
+    return sums.value * scale, grads
 
 
-def _scalar_weight(weight: Any, dtype: jnp.dtype) -> jax.Array:
-  if jnp.shape(weight) != ():
-    raise ValueError(
-      "weight_fn must return a scalar per micro-batch (for example its"
-      f" number of real tokens), got shape {jnp.shape(weight)}."
-    )
-  return jnp.asarray(weight, dtype)
-
-
-def microbatched_value_and_grad(
-  fun: Callable[..., Any],
-  num_microbatches: int,
+def per_device_sums(
+  microbatching: Microbatching,
+  axes: sharding.Axes,
+  params: Any,
+  batch: Any,
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  rng: Any,
   *,
-  has_aux: bool = False,
-  weight_fn: WeightFn | None = None,
-  axis_name: Any = None,
-  accumulator_dtype: Any = jnp.float32,
-  checkpoint_policy: Callable[..., bool] | None = None,
-  remat: bool = False,
-) -> Callable[..., Any]:
-  """Value and gradient of ``fun`` accumulated over micro-batches in one scan.
+  unreduced: bool,
+) -> tuple[jax.Array, Any, Any]:
+  """Micro-batching of a batch sharded over mesh ``axes``, under plain jit.
 
-  The returned ``g(params, batch, *args, rng=None, **kwargs)`` splits every
-  leaf of ``batch`` along its leading axis into ``num_microbatches``
-  contiguous micro-batches, evaluates ``jax.value_and_grad(fun)`` on each
-  inside one ``lax.scan`` and returns the weighted mean
-  ``sum(w_i v_i) / sum(w_i)`` of values and gradients, with
-  ``w_i = weight_fn(microbatch_i)`` (1 by default). When ``fun`` is the mean
-  loss of its batch (normalised by its own item count) and ``w_i`` counts the
-  items, this equals ``jax.value_and_grad(fun)(params, batch)``. Micro-batches
-  of weight 0 (for example padding only) are dropped whole, so a loss of
-  ``0 / 0`` there does not poison the result.
-
-  ``args`` and ``kwargs`` are passed unchanged to every call of ``fun``. When
-  ``rng`` is given, ``fun`` receives ``rng=jax.random.fold_in(rng, i)`` for
-  micro-batch ``i`` (with ``axis_name``, ``rng`` is first folded with the
-  device's ``axis_index``): each micro-batch draws its own dropout masks, and
-  the result depends only on ``rng``.
-
-  Args:
-    fun: ``fun(params, microbatch, *args, **kwargs)`` returning a scalar loss,
-      or ``(loss, aux)`` with ``has_aux=True``.
-    num_microbatches: how many micro-batches to split ``batch`` into; its
-      leading size must be divisible by it.
-    has_aux: ``fun`` returns ``(loss, aux)``. ``g`` then returns
-      ``((value, aux), grads)`` with every leaf of ``aux`` stacked along a
-      new leading axis of size ``num_microbatches`` (per micro-batch, not
-      averaged: metrics such as counts, maxima or BatchNorm statistics each
-      need their own reduction).
-    weight_fn: ``weight_fn(microbatch)`` returns the micro-batch's scalar
-      weight >= 0, such as its number of real tokens.
-    axis_name: inside ``jax.shard_map`` or ``pmap``, the data-parallel axis.
-      The scan runs device-locally; after it, the weighted gradient sum,
-      weighted value sum and weight sum are summed over the axis once, so
-      ``g`` returns the global weighted mean on every device.
-    accumulator_dtype: floating dtype of the gradient sum carried through
-      the scan (float32 by default, also for bfloat16 parameters).
-    checkpoint_policy: with ``remat=True``, the ``jax.checkpoint`` policy
-      deciding which intermediates of a micro-batch's forward pass are saved
-      for its backward pass (for example
-      ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``); None
-      saves none.
-    remat: wrap each micro-batch's ``fun`` in ``jax.checkpoint``, trading a
-      second forward pass for less memory.
+  Each device scans its own rows with the parameters cast to varying, so
+  each micro-batch's gradient stays a device-local partial sum; the sums are
+  reduced once, after the scan. With ``unreduced``, the gradients leave
+  scaled by the global weight but not summed over devices: ``unreduced``
+  over ``axes``, for ``accumulate(..., unreduced_axes=axes)`` to sum once
+  per window.
 
   Returns:
-    ``g(params, batch, *args, rng=None, **kwargs)`` returning
-    ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``;
-    ``grads`` has the tree and dtypes of ``params``; ``value`` is a scalar
-    in the precision of the sums (float32 unless ``accumulator_dtype`` is
-    wider).
-
-  Raises:
-    TypeError: ``num_microbatches`` is not an int, ``fun`` or ``weight_fn``
-      is not callable, or ``accumulator_dtype`` is not floating.
-    ValueError: ``num_microbatches`` is below 1. ``g`` raises for a ``batch``
-      whose leaves' leading sizes differ or are not divisible by
-      ``num_microbatches``, and for a ``weight_fn`` that is not scalar.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, ga_optax
-    >>> def loss_fn(w, batch):
-    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
-    >>> batch = {"x": jnp.arange(16.0).reshape(8, 2), "y": jnp.ones(8)}
-    >>> w = jnp.array([0.1, -0.2])
-    >>> loss, grads = ga_optax.microbatched_value_and_grad(loss_fn, 4)(w, batch)
-    >>> full_loss, full_grads = jax.value_and_grad(loss_fn)(w, batch)
-    >>> bool(jnp.allclose(loss, full_loss)), bool(jnp.allclose(grads, full_grads))
-    (True, True)
+    ``(value, grads, aux)``; aux leaves are stacked per sub-batch, device
+    major: entry ``d * k + i`` is micro-batch ``i`` on device ``d``.
   """
+  arrays, rebuild = sharding.split_arrays((params, args, kwargs, rng))
+
+  def per_device(arrays: list[Any], local_batch: Any) -> Any:
+    params, args, kwargs, rng = rebuild(arrays)
+    params = sharding.cast_to_varying(params, axes)
+    if rng is not None:
+      # Devices hold different rows: they must not share dropout masks.
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+    sums, aux = microbatching.sums(
+      params, local_batch, args, kwargs, rng, varying_axes=axes
+    )
+    if not unreduced:
+      value, grads = microbatching.mean(jax.lax.psum(sums, axes), params)
+      return value, grads, aux
+    value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
+    value, grads = microbatching.mean(
+      Sums(sums.grads, value_sum, weight_sum), params
+    )
+    # One partial sum per device, stacked along a new leading axis: a
+    # shard_map may not return unreduced values while other axes stay
+    # outside it, so they are summed into unreduced ones below.
+    return value, jax.tree.map(lambda grad: grad[None], grads), aux
+
+  # Gradients keep each parameter's spec over other mesh axes; stacked
+  # partial sums get a leading axis over the batch axes.
+  grad_specs = jax.tree.map(
+    lambda param: PartitionSpec(
+      *((axes,) if unreduced else ()),
+      *sharding.without_axes(sharding.spec_of(param), axes).partitions,
+    ),
+    params,
+  )
+  value, grads, aux = sharding.map_over_batch_axes(
+    per_device,
+    axes,
+    arrays,
+    batch,
+    out_specs=(PartitionSpec(), grad_specs, PartitionSpec(axes)),
+  )
+  if unreduced:
+    grads = sharding.sum_to_unreduced(grads, params, axes)
+  elif _explicit(axes):
+    # A parameter sharded over a batch axis (FSDP) was gathered for the
+    # scan; its gradient goes back to the parameter's own sharding.
+    grads = sharding.reshard_tree(grads, jax.tree.map(sharding.spec_of, params))
+  return value, grads, aux
+
+
+def _explicit(axes: sharding.Axes) -> bool:
+  types = sharding.mesh_axis_types()
+  return all(types[axis] == AxisType.Explicit for axis in axes)
+
+
+def _check_options(
+  fun: Any,
+  num_microbatches: Any,
+  *,
+  has_aux: Any,
+  weight_fn: Any,
+  accumulator_dtype: Any,
+  checkpoint_policy: Any,
+  remat: Any,
+) -> Microbatching:
+  """Checks the arguments; returns the :class:`Microbatching` they describe."""
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {type(fun).__name__}.")
   num_microbatches = validation.check_positive_int(
@@ -177,84 +288,346 @@ def microbatched_value_and_grad(
       "checkpoint_policy only applies with remat=True; pass remat=True or"
       " drop checkpoint_policy."
     )
-  axis_name = validation.check_axis_name(axis_name)
-  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
-  # Values and weights sum item counts; bfloat16 would round them from 256 on.
-  sum_dtype = jnp.promote_types(accumulator_dtype, jnp.float32)
-
   per_microbatch_fun = fun
   if remat:
     per_microbatch_fun = jax.checkpoint(fun, policy=checkpoint_policy)
-  grad_fn = jax.value_and_grad(per_microbatch_fun, has_aux=has_aux)
+  return Microbatching(
+    grad_fn=jax.value_and_grad(per_microbatch_fun, has_aux=has_aux),
+    num_microbatches=num_microbatches,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
+  )
+
+
+def _data_parallel_axes(
+  batch: Any, axis_name: Any
+) -> tuple[sharding.Axes, sharding.Axes]:
+  """``(mesh_axes, manual_axes)``: where the batch is split, and how.
+
+  ``mesh_axes``: the axes of a batch sharded under plain ``jit``, from
+  ``axis_name`` or, under Explicit axes, from the batch's type.
+  ``manual_axes``: axes the caller's ``shard_map`` (or ``pmap``) is manual
+  over, to be summed over with a collective.
+  """
+  if axis_name is None:
+    return sharding.batch_axes(batch), ()
+  named = sharding.as_axes(axis_name, "axis_name")
+  in_mesh = sharding.mesh_axes(named)
+  if not in_mesh:
+    for axis in named:
+      try:
+        jax.lax.axis_size(axis)
+      except NameError:
+        raise ValueError(
+          f"axis_name {axis!r} is neither an axis of the current mesh nor"
+          " bound by an enclosing jax.shard_map or pmap. Under a plain"
+          " jax.jit, set the mesh the batch is sharded on with"
+          " jax.set_mesh(mesh)."
+        ) from None
+    return (), named
+  if in_mesh != named:
+    raise ValueError(
+      f"axis_name {named!r} mixes mesh axes {in_mesh!r} with axes this code"
+      " is already manual over (inside shard_map or pmap); name one kind."
+    )
+  sharded_over = sharding.batch_axes(batch)
+  if sharded_over and sharded_over != named:
+    raise ValueError(
+      f"axis_name is {named!r}, but batch is sharded over {sharded_over!r}"
+      " along its leading dimension; pass axis_name=None to use the"
+      " batch's own axes, or reshard the batch."
+    )
+  return named, ()
+
+
+def microbatched_value_and_grad(
+  fun: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  has_aux: bool = False,
+  weight_fn: WeightFn | None = None,
+  axis_name: Any = None,
+  accumulator_dtype: Any = jnp.float32,
+  checkpoint_policy: Callable[..., bool] | None = None,
+  remat: bool = False,
+) -> Callable[..., Any]:
+  """Value and gradient of ``fun`` accumulated over micro-batches in one scan.
+
+  The returned ``g(params, batch, *args, rng=None, **kwargs)`` splits every
+  leaf of ``batch`` along its leading axis into ``num_microbatches``
+  micro-batches, micro-batch ``i`` holding rows ``i, i + k, i + 2k, ...``;
+  evaluates ``jax.value_and_grad(fun)`` on each inside one ``lax.scan``; and
+  returns the weighted mean ``sum(w_i v_i) / sum(w_i)`` of values and
+  gradients, with ``w_i = weight_fn(microbatch_i)`` (1 by default). When
+  ``fun`` is the mean loss of its batch (normalised by its own item count)
+  and ``w_i`` counts the items, this equals
+  ``jax.value_and_grad(fun)(params, batch)``. Micro-batches of weight 0 (for
+  example padding only) are dropped whole, so a loss of ``0 / 0`` there does
+  not poison the result.
+
+  On several devices, each device scans its own rows and the sums are
+  reduced once, after the scan, with no collective inside it:
+
+  * under a plain ``jax.jit`` with a batch sharded over mesh axes (for
+    example ``P("data")`` on a mesh set with ``jax.set_mesh``), the axes are
+    read from the batch's type under Explicit axes; under Auto axes name
+    them with ``axis_name``. Each device computes ``B / (k * D)`` rows per
+    micro-batch, the batch is never gathered, and the gradients come out
+    sharded like the params. Without ``axis_name`` under Auto axes the
+    compiler still splits the rows but reduces every micro-batch's
+    gradient inside the loop.
+  * inside ``jax.shard_map`` (or ``pmap``), name the data-parallel axis
+    with ``axis_name``; every device returns the global mean.
+
+  ``fun`` then sees one device's rows of a micro-batch: a mean loss over them
+  is combined exactly (all devices hold equally many rows), a loss that
+  couples the rows of a batch (contrastive, in-batch BatchNorm) sees
+  ``B / (k * D)`` of them.
+
+  ``args`` and ``kwargs`` are passed unchanged to every call of ``fun``. When
+  ``rng`` is given, ``fun`` receives ``rng=jax.random.fold_in(rng, i)`` for
+  micro-batch ``i``, the key first folded with the device's index along the
+  data-parallel axes on several devices: each micro-batch draws its own
+  dropout masks, and the result depends only on ``rng`` and the device
+  count.
+
+  Args:
+    fun: ``fun(params, microbatch, *args, **kwargs)`` returning a scalar loss,
+      or ``(loss, aux)`` with ``has_aux=True``.
+    num_microbatches: how many micro-batches to split ``batch`` into; its
+      leading size (per device, on several) must be divisible by it.
+    has_aux: ``fun`` returns ``(loss, aux)``. ``g`` then returns
+      ``((value, aux), grads)`` with every leaf of ``aux`` stacked along a
+      new leading axis, one entry per micro-batch (not averaged: metrics
+      such as counts, maxima or BatchNorm statistics each need their own
+      reduction). With a batch sharded over ``D`` devices under plain
+      ``jit`` the axis has ``D * k`` entries, one per device and
+      micro-batch (entry ``d * k + i``), sharded over the batch's axes.
+    weight_fn: ``weight_fn(microbatch)`` returns the micro-batch's scalar
+      weight >= 0, such as its number of real tokens. A boolean is a
+      ``TypeError``; a negative weight cannot be refused at trace time and
+      makes value and gradients NaN, never a plausible wrong number.
+    axis_name: the data-parallel axes: a mesh axis name or a tuple of them.
+      Under plain ``jit``, the axes the batch is sharded over (read from the
+      batch's type under Explicit axes when None). Inside ``jax.shard_map``
+      or ``pmap``, the axis to sum over after the scan.
+    accumulator_dtype: floating dtype of the gradient sum carried through
+      the scan (float32 by default, also for bfloat16 parameters; complex
+      parameters are summed in the complex dtype of that precision).
+    checkpoint_policy: with ``remat=True``, the ``jax.checkpoint`` policy
+      deciding which intermediates of a micro-batch's forward pass are saved
+      for its backward pass (for example
+      ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``); None
+      saves none.
+    remat: wrap each micro-batch's ``fun`` in ``jax.checkpoint``, trading a
+      second forward pass for less memory.
+
+  Returns:
+    ``g(params, batch, *args, rng=None, **kwargs)`` returning
+    ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``;
+    ``grads`` has the tree and dtypes of ``params``; ``value`` is a scalar
+    in the precision of the sums (float32 unless ``accumulator_dtype`` is
+    wider). Called outside ``jit``, ``g`` compiles once per input shapes
+    and dtypes and reuses the compiled program.
+
+  Raises:
+    TypeError: ``num_microbatches`` is not an int, ``fun`` or ``weight_fn``
+      is not callable, or ``accumulator_dtype`` is not floating.
+    ValueError: ``num_microbatches`` is below 1. ``g`` raises for a ``batch``
+      whose leaves' leading sizes differ or are not divisible by
+      ``num_microbatches``, for a ``weight_fn`` that is not scalar, and for
+      an ``axis_name`` that does not match the batch's sharding.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, ga_optax
+    >>> def loss_fn(w, batch):
+    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> batch = {"x": jnp.arange(16.0).reshape(8, 2), "y": jnp.ones(8)}
+    >>> w = jnp.array([0.1, -0.2])
+    >>> loss, grads = ga_optax.microbatched_value_and_grad(loss_fn, 4)(w, batch)
+    >>> full_loss, full_grads = jax.value_and_grad(loss_fn)(w, batch)
+    >>> bool(jnp.allclose(loss, full_loss)), bool(jnp.allclose(grads, full_grads))
+    (True, True)
+  """
+  microbatching = _check_options(
+    fun,
+    num_microbatches,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    accumulator_dtype=accumulator_dtype,
+    checkpoint_policy=checkpoint_policy,
+    remat=remat,
+  )
+  if axis_name is not None:
+    sharding.as_axes(axis_name, "axis_name")
 
   @functools.wraps(fun)
   def value_and_grad_fn(
     params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
   ) -> Any:
-    microbatches = split_microbatches(batch, num_microbatches)
-    if rng is not None and axis_name is not None:
-      # Devices hold different data: they must not share dropout masks.
-      rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+    sharding.leading_size(batch)
+    mesh_axes, manual_axes = _data_parallel_axes(batch, axis_name)
+    if mesh_axes:
+      value, grads, aux = per_device_sums(
+        microbatching, mesh_axes, params, batch, args, kwargs, rng,
+        unreduced=False,
+      )  # fmt: skip
+    else:
+      value, grads, aux = _local_or_manual(
+        microbatching, manual_axes, params, batch, args, kwargs, rng
+      )
+    return ((value, aux), grads) if has_aux else (value, grads)
 
-    def accumulate_microbatch(carry, xs):
-      grad_sum, value_sum, weight_sum = carry
-      index, microbatch = xs
-      call_kwargs = dict(kwargs)
-      if rng is not None:
-        call_kwargs["rng"] = jax.random.fold_in(rng, index)
-      output, grads = grad_fn(params, microbatch, *args, **call_kwargs)
-      value, aux = output if has_aux else (output, None)
-      if weight_fn is None:
-        weight = jnp.ones((), sum_dtype)
-        grad_sum = jax.tree.map(
-          lambda total, g: total + g.astype(accumulator_dtype),
-          grad_sum,
-          grads,
-        )
-        value_sum = value_sum + value.astype(sum_dtype)
-      else:
-        weight = _scalar_weight(weight_fn(microbatch), sum_dtype)
-        # A weight-0 micro-batch may hold a 0/0 loss: select, not multiply.
-        has_weight = weight > 0
-        grad_sum = jax.tree.map(
-          lambda total, g: (
-            total
-            + jnp.where(
-              has_weight, weight.astype(accumulator_dtype) * g, 0
-            ).astype(accumulator_dtype)
-          ),
-          grad_sum,
-          grads,
-        )
-        value_sum = value_sum + jnp.where(
-          has_weight, weight * value.astype(sum_dtype), 0
-        )
-      return (grad_sum, value_sum, weight_sum + weight), aux
+  return eager.compiled_when_eager(value_and_grad_fn)
 
-    initial = (
-      optax.tree.zeros_like(params, dtype=accumulator_dtype),
-      jnp.zeros((), sum_dtype),
-      jnp.zeros((), sum_dtype),
+
+def _local_or_manual(
+  microbatching: Microbatching,
+  manual_axes: sharding.Axes,
+  params: Any,
+  batch: Any,
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  rng: Any,
+) -> tuple[jax.Array, Any, Any]:
+  """One device's batch, or the caller's ``shard_map`` over ``manual_axes``."""
+  # Inside shard_map, varying parameters give device-local gradients: no
+  # collective in the backward pass of each micro-batch, one sum after the
+  # scan. (pmap and vmap axes do not track variance.)
+  varying_axes = sharding.shard_map_axes(manual_axes)
+  params = sharding.cast_to_varying(params, varying_axes)
+  if manual_axes and rng is not None:
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(manual_axes))
+  sums, aux = microbatching.sums(
+    params, batch, args, kwargs, rng, varying_axes=varying_axes
+  )
+  if manual_axes:
+    sums = jax.lax.psum(sums, manual_axes)
+  value, grads = microbatching.mean(sums, params)
+  return value, grads, aux
+
+
+def unreduced_value_and_grad(
+  fun: Callable[..., Any],
+  unreduced_axes: Any = None,
+  *,
+  has_aux: bool = False,
+  weight_fn: WeightFn | None = None,
+  accumulator_dtype: Any = jnp.float32,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad`` with the gradients left unreduced over mesh axes.
+
+  For a train step under a plain ``jax.jit`` whose batch is sharded over
+  Explicit mesh axes (``jax.make_mesh`` + ``jax.set_mesh`` + a batch put
+  with ``P("data")``): the returned ``g(params, batch, *args, rng=None,
+  **kwargs)`` runs ``fun`` on each device's rows and returns the gradients
+  ``unreduced`` over ``unreduced_axes``: each device holds its partial sum,
+  and no collective runs. Feed them to ``ga_optax.accumulate(...,
+  unreduced_axes=...)``, which sums them over the devices once per window,
+  in the branch that closes it, instead of once per micro-step.
+
+  The gradients' true value (the sum of the partial sums) is the gradient
+  of the batch's weighted mean loss, exactly what ``jax.value_and_grad(fun)``
+  returns for a mean loss; the value is that mean, already reduced (one
+  scalar all-reduce). Works for any model: each device differentiates its
+  loss with the parameters cast to varying inside a ``jax.shard_map`` over
+  the batch axes (parameters sharded over other mesh axes keep their
+  sharding). A parameter sharded over a batch axis (FSDP) is gathered for
+  the call; its gradient comes out whole, unreduced.
+
+  Args:
+    fun: ``fun(params, batch, *args, **kwargs)`` returning the scalar mean
+      loss of its batch, or ``(loss, aux)`` with ``has_aux=True``.
+    unreduced_axes: the mesh axes the batch is sharded over; None reads
+      them from the batch's type. They must be Explicit.
+    has_aux: ``fun`` returns ``(loss, aux)``; ``g`` then returns
+      ``((value, aux), grads)`` with every leaf of ``aux`` stacked along a
+      new leading axis, one entry per device, sharded over the axes.
+    weight_fn: ``weight_fn(rows)`` returns the scalar weight of one
+      device's rows (for example its number of real tokens); the devices'
+      gradients are combined in proportion (one more scalar all-reduce).
+      By default all devices weigh the same, which is exact for a mean loss
+      (every device holds as many rows).
+    accumulator_dtype: floating dtype in which each device's weighted
+      gradient is formed.
+
+  Returns:
+    ``g(params, batch, *args, rng=None, **kwargs) -> (value, grads)`` (or
+    ``((value, aux), grads)``), ``grads`` unreduced over the axes. ``rng``
+    reaches ``fun`` folded with the device's index.
+
+  Raises:
+    TypeError: ``fun`` or ``weight_fn`` is not callable, or
+      ``unreduced_axes`` is not an axis name or a tuple of them.
+    ValueError: (from ``g``) the axes are not Explicit mesh axes, or the
+      batch is not sharded over them.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, ga_optax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> def loss_fn(w, batch):
+    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> with jax.set_mesh(mesh):
+    ...   batch = jax.device_put(
+    ...       {"x": jnp.ones((4, 2)), "y": jnp.zeros(4)}, jax.P("data"))
+    ...   loss, grads = jax.jit(ga_optax.unreduced_value_and_grad(loss_fn))(
+    ...       jnp.ones(2), batch)
+    >>> jax.typeof(grads)
+    ShapedArray(float32[2]{U:data})
+  """
+  microbatching = _check_options(
+    fun,
+    1,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    accumulator_dtype=accumulator_dtype,
+    checkpoint_policy=None,
+    remat=False,
+  )
+  if unreduced_axes is not None:
+    sharding.as_axes(unreduced_axes, "unreduced_axes")
+
+  @functools.wraps(fun)
+  def value_and_grad_fn(
+    params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
+  ) -> Any:
+    axes = _unreduced_batch_axes(batch, unreduced_axes)
+    value, grads, aux = per_device_sums(
+      microbatching, axes, params, batch, args, kwargs, rng, unreduced=True
     )
-    indices = jnp.arange(num_microbatches, dtype=jnp.int32)
-    (grad_sum, value_sum, weight_sum), aux = jax.lax.scan(
-      accumulate_microbatch, initial, (indices, microbatches)
-    )
-    grad_sum, value_sum, weight_sum = distributed.sum_across_devices(
-      (grad_sum, value_sum, weight_sum), axis_name
-    )
-    # All-zero weights (a batch of padding only) give zeros, not 0 / 0.
-    scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
-    value = value_sum * scale
-    grads = jax.tree.map(
-      lambda total, param: (total * scale.astype(total.dtype)).astype(
-        jnp.result_type(param)
-      ),
-      grad_sum,
-      params,
-    )
-    if has_aux:
-      return (value, aux), grads
-    return value, grads
+    return ((value, aux), grads) if has_aux else (value, grads)
 
   return value_and_grad_fn
+
+
+def _unreduced_batch_axes(batch: Any, unreduced_axes: Any) -> sharding.Axes:
+  """The Explicit mesh axes to leave the gradients unreduced over."""
+  sharded_over = sharding.batch_axes(batch)
+  axes = (
+    sharded_over
+    if unreduced_axes is None
+    else sharding.as_axes(unreduced_axes, "unreduced_axes")
+  )
+  if not axes:
+    raise ValueError(
+      "unreduced_axes is None and batch is not sharded along its leading"
+      " dimension; put the batch with jax.device_put(batch, P('data')) under"
+      " a mesh with Explicit axes (jax.make_mesh + jax.set_mesh), or name"
+      " the axes."
+    )
+  types = sharding.mesh_axis_types()
+  not_explicit = [axis for axis in axes if types.get(axis) != AxisType.Explicit]
+  if not_explicit:
+    raise ValueError(
+      f"unreduced_axes {axes!r} must be Explicit axes of the current mesh;"
+      f" {not_explicit!r} are not (mesh axes: {types}). Create the mesh with"
+      " jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)) and set it"
+      " with jax.set_mesh."
+    )
+  if sharded_over and sharded_over != axes:
+    raise ValueError(
+      f"unreduced_axes is {axes!r}, but batch is sharded over"
+      f" {sharded_over!r} along its leading dimension."
+    )
+  return axes

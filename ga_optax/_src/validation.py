@@ -81,8 +81,16 @@ def check_axis_name(axis_name: Any) -> Any:
   )
 
 
-def check_grads_match(grads: Any, accumulator: Any) -> None:
-  """Checks that ``grads`` has the accumulator's tree and shapes, in floats."""
+def check_grads_match(
+  grads: Any, accumulator: Any, unreduced_axes: tuple[str, ...] = ()
+) -> None:
+  """Checks ``grads`` against the accumulator: tree, shapes, dtypes, sharding.
+
+  Floating gradients go into any accumulator; complex ones need a complex
+  accumulator (made by ``init`` for complex params). With
+  ``unreduced_axes``, every gradient leaf must be ``unreduced`` over exactly
+  those mesh axes; without, none may be.
+  """
   grads_tree: Any = jax.tree.structure(grads)
   accumulator_tree = jax.tree.structure(accumulator)
   if grads_tree != accumulator_tree:
@@ -94,21 +102,61 @@ def check_grads_match(grads: Any, accumulator: Any) -> None:
   for (path, grad), slot in zip(
     grads_with_paths, jax.tree.leaves(accumulator), strict=True
   ):
-    # Integer, boolean or complex gradients would be cast silently (the mean
-    # truncated to an integer); a Python scalar has no dtype to keep.
-    dtype = getattr(grad, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(
-        f"grads leaf {jax.tree_util.keystr(path)} must be a floating-point"
-        f" array, got {type(grad).__name__}"
-        + (f" of dtype {dtype}." if dtype is not None else ".")
-      )
+    name = f"grads leaf {jax.tree_util.keystr(path)}"
+    _check_grad_dtype(name, grad, slot)
     if jnp.shape(grad) != jnp.shape(slot):
       raise ValueError(
-        f"grads leaf {jax.tree_util.keystr(path)} has shape"
-        f" {jnp.shape(grad)}, but the accumulator (from tx.init) has shape"
-        f" {jnp.shape(slot)}."
+        f"{name} has shape {jnp.shape(grad)}, but the accumulator (from"
+        f" tx.init) has shape {jnp.shape(slot)}."
       )
+    _check_unreduced(name, grad, unreduced_axes)
+
+
+def _check_grad_dtype(name: str, grad: Any, slot: Any) -> None:
+  # Integer or boolean gradients would be cast silently (the mean truncated
+  # to an integer); a Python scalar has no dtype to keep.
+  dtype = getattr(grad, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+    raise TypeError(
+      f"{name} must be a floating-point array, got {type(grad).__name__}"
+      + (f" of dtype {dtype}." if dtype is not None else ".")
+    )
+  if jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(
+    slot.dtype, jnp.complexfloating
+  ):
+    raise TypeError(
+      f"{name} is complex ({dtype}), but its param was real when tx.init"
+      " made the accumulator; the imaginary part would be dropped. Pass the"
+      " complex params to tx.init."
+    )
+
+
+def _check_unreduced(
+  name: str, grad: Any, unreduced_axes: tuple[str, ...]
+) -> None:
+  spec = getattr(getattr(jax.typeof(grad), "sharding", None), "spec", None)
+  found = frozenset(getattr(spec, "unreduced", ()))
+  if found == frozenset(unreduced_axes):
+    return
+  if not unreduced_axes:
+    raise ValueError(
+      f"{name} is unreduced over {sorted(found)}, but this accumulation"
+      " was made without unreduced_axes; pass"
+      f" unreduced_axes={tuple(sorted(found))!r} to accumulate (the window's"
+      " one all-reduce then sums them), or reduce the gradients first."
+    )
+  if not found:
+    raise ValueError(
+      f"{name} is not unreduced, but this accumulation was made with"
+      f" unreduced_axes={unreduced_axes!r}: compute the gradients with"
+      " ga_optax.unreduced_value_and_grad (or cast the params to reduced"
+      " over those axes), or drop unreduced_axes for reduced gradients."
+    )
+  raise ValueError(
+    f"{name} is unreduced over {sorted(found)}, but this accumulation was"
+    f" made with unreduced_axes={unreduced_axes!r}; the two must name the"
+    " same mesh axes."
+  )
 
 
 def check_weight(weight: Any) -> jax.Array | float:

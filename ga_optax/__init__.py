@@ -14,6 +14,12 @@ from ga_optax._src.microbatch import (
   microbatched_value_and_grad,
   unreduced_value_and_grad,
 )
+from ga_optax._src.partial_sums import (
+  consolidate,
+  split_total,
+  stack_partial_sums,
+  unstack_partial_sums,
+)
 from ga_optax._src.planner import (
   MicrobatchPlan,
   micro_step_bytes,
@@ -33,11 +39,15 @@ __all__ = [
   "apply_gradients",
   "best_global_batch_size",
   "combine_batch_stats",
+  "consolidate",
   "elastic_plan",
   "emitted",
   "micro_step_bytes",
   "microbatched_value_and_grad",
   "plan_microbatch",
+  "split_total",
+  "stack_partial_sums",
   "unreduced_value_and_grad",
+  "unstack_partial_sums",
   "valid_device_counts",
 ]

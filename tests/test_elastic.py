@@ -10,8 +10,11 @@ from __future__ import annotations
 import pathlib
 import re
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -386,3 +389,19 @@ def test_the_how_to_page_runs():
   assert len(blocks) >= 3
   for index, block in enumerate(blocks):
     exec(compile(block, f"{PAGE.name} block {index}", "exec"), {})
+
+
+@pytest.mark.parametrize(
+  "make", [ga_optax.accumulate, ga_optax.accumulate_and_apply]
+)
+def test_the_state_does_not_depend_on_k(make):
+  # A run moved to another device count changes k; its saved state must
+  # restore into the new transformation's state as it is.
+  params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2, jnp.bfloat16)}
+  shapes = [
+    jax.eval_shape(make(optax.adam(1e-3), every_k).init, params)
+    for every_k in (1, 8, {0: 2, 10: 4})
+  ]
+  for other in shapes[1:]:
+    assert jax.tree.structure(other) == jax.tree.structure(shapes[0])
+    chex.assert_trees_all_equal_shapes_and_dtypes(other, shapes[0])

@@ -10,7 +10,7 @@ Compares two ways to accumulate over k micro-steps on a ``data`` mesh:
   accumulates them with ``ga_optax.accumulate`` without ``axis_name``.
 
 Collective counts and bytes come from the compiled program
-(``ga_optax._src.distributed.window_collectives``): the all-reduce operand
+(``ga_optax.testing.window_collectives``): the all-reduce operand
 bytes per device of the part that runs on every micro-step and of the branch
 that runs when a window closes. Step times are medians over windows of the
 jitted, donated step. Prints a Markdown table and writes JSON::
@@ -50,7 +50,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax._src import distributed
+from ga_optax import testing
 from ga_optax.testing import max_relative_difference
 
 
@@ -91,7 +91,7 @@ def every_micro_step(tx: optax.GradientTransformationExtraArgs) -> Callable:
   return step
 
 
-def summarize(collectives: list[distributed.Collective]) -> dict[str, int]:
+def summarize(collectives: list[testing.Collective]) -> dict[str, int]:
   return {
     "count": len(collectives),
     "bytes": sum(collective.operand_bytes for collective in collectives),
@@ -123,7 +123,7 @@ class Variant:
     )
     self.params = init_mlp(args.width, args.layers)
     self.state = tx.init(self.params)
-    found = distributed.window_collectives(
+    found = testing.window_collectives(
       self.step.lower(self.params, self.state, *example).compile().as_text()
     )
     self.per_micro_step = summarize(found.every_micro_step)
@@ -167,11 +167,11 @@ class Variant:
 
 def executed_collectives(hlo_text: str) -> dict[str, int]:
   """Collectives one call runs, a loop body's counted once per iteration."""
-  module = distributed.parse_hlo(hlo_text)
+  module = testing.parse_hlo(hlo_text)
   totals = {"count": 0, "bytes": 0, "in_loops": 0}
 
   def visit(computation: str, times: int, in_loop: bool) -> None:
-    for collective in distributed.collectives_in_hlo(module, [computation]):
+    for collective in testing.collectives_in_hlo(module, [computation]):
       totals["count"] += times
       totals["bytes"] += times * collective.operand_bytes
       totals["in_loops"] += in_loop

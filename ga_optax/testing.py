@@ -1,4 +1,4 @@
-"""Equivalence checks that users can run on their own model, optimizer and data.
+"""Checks that users can run on their own model, optimizer, data and steps.
 
 Gradient accumulation is only worth having if it trains the same model as the
 large batch would. :func:`compare_with_large_batch` trains twice from the same
@@ -6,6 +6,15 @@ parameters, once on each large batch and once on its micro-batches through
 :func:`ga_optax.accumulate`, and reports how far apart the results are;
 :func:`assert_equivalent_to_large_batch` turns that into an assertion for a
 test suite.
+
+On several devices it is also only worth having if it does not move more
+data than the large batch would. The HLO audits read a compiled step's text
+(``jax.jit(step).lower(...).compile().as_text()``): :func:`window_collectives`
+splits its collectives into those of every call and those of the branch that
+closes a window, :func:`loop_collectives` finds those inside a loop over
+micro-batches, and :func:`dot_shapes` gives the per-device operand shapes of
+its matrix products; :func:`parse_hlo`, :func:`reachable` and
+:func:`collectives_in_hlo` are the pieces they are built from.
 """
 
 from __future__ import annotations
@@ -20,6 +29,35 @@ import optax
 
 from ga_optax._src import validation
 from ga_optax._src.accumulate import accumulate
+from ga_optax._src.hlo import (
+  Collective,
+  HloInstruction,
+  HloModule,
+  WindowCollectives,
+  collectives_in_hlo,
+  dot_shapes,
+  loop_collectives,
+  parse_hlo,
+  reachable,
+  window_collectives,
+)
+
+__all__ = [
+  "Collective",
+  "EquivalenceResult",
+  "HloInstruction",
+  "HloModule",
+  "WindowCollectives",
+  "assert_equivalent_to_large_batch",
+  "collectives_in_hlo",
+  "compare_with_large_batch",
+  "dot_shapes",
+  "loop_collectives",
+  "max_relative_difference",
+  "parse_hlo",
+  "reachable",
+  "window_collectives",
+]
 
 LossFn = Callable[[optax.Params, Any], jax.Array]
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax._src import distributed
+from ga_optax import testing
 
 # Float32 tolerance: a sum over devices and micro-steps adds in another order
 # than one sum over the large batch.
@@ -258,7 +258,7 @@ def check_hlo_collectives_only_where_window_closes() -> None:
   tx = ga_optax.accumulate(optax.adam(1e-2), 4, axis_name="data")
   step = jax.jit(shard_step(device_local_step(tx), mesh))
   text = step.lower(params, tx.init(params), x, y).compile().as_text()
-  found = distributed.window_collectives(text)
+  found = testing.window_collectives(text)
   assert found.every_micro_step == [], found
   assert [c.opcode for c in found.window_closing] == ["all-reduce"], found
   assert found.window_closing[0].operand_bytes == accumulator_bytes, found
@@ -277,7 +277,7 @@ def check_hlo_collectives_only_where_window_closes() -> None:
     .compile()
     .as_text()
   )
-  found = distributed.window_collectives(text)
+  found = testing.window_collectives(text)
   assert found.every_micro_step == [], found
   assert sum(c.operand_bytes for c in found.window_closing) == accumulator_bytes
 
@@ -287,7 +287,7 @@ def check_hlo_collectives_only_where_window_closes() -> None:
   )
   step = jax.jit(shard_step(device_local_step(tx), mesh))
   text = step.lower(params, tx.init(params), x, y).compile().as_text()
-  found = distributed.window_collectives(text)
+  found = testing.window_collectives(text)
   assert [(c.opcode, c.operand_bytes) for c in found.every_micro_step] == [
     ("all-reduce", 4)
   ], found
@@ -304,22 +304,12 @@ def check_hlo_collectives_only_where_window_closes() -> None:
 
   step = jax.jit(shard_step(naive_step, mesh))
   text = step.lower(params, tx.init(params), x, y).compile().as_text()
-  found = distributed.window_collectives(text)
+  found = testing.window_collectives(text)
   assert found.window_closing == [] and found.closing_branch is None, found
   assert sum(c.operand_bytes for c in found.every_micro_step) == tree_bytes(
     params
   ), found
   print("HLO: one all-reduce, in the closing branch, of the accumulator")
-
-
-def while_bodies(module: distributed.HloModule) -> list[str]:
-  return [
-    callee
-    for instructions in module.computations.values()
-    for instruction in instructions
-    if instruction.opcode == "while"
-    for callee in instruction.callees
-  ]
 
 
 def check_microbatched_reduces_after_the_scan() -> None:
@@ -347,18 +337,20 @@ def check_microbatched_reduces_after_the_scan() -> None:
   chex.assert_trees_all_close(loss, expected_loss, **TOLERANCE)
   chex.assert_trees_all_close(grads, expected_grads, **TOLERANCE)
 
-  module = distributed.parse_hlo(
-    compute.lower(params, x, y).compile().as_text()
-  )
-  bodies = while_bodies(module)
-  assert bodies, "expected the scan over micro-batches to compile to a while"
-  in_loops = distributed.collectives_in_hlo(
-    module,
-    set().union(*(distributed.reachable(module, body) for body in bodies)),
-  )
+  module = testing.parse_hlo(compute.lower(params, x, y).compile().as_text())
+  assert any(
+    instruction.opcode == "while"
+    for instructions in module.computations.values()
+    for instruction in instructions
+  ), "expected the scan over micro-batches to compile to a while"
+  in_loops = testing.loop_collectives(module)
   assert in_loops == [], in_loops
-  everywhere = distributed.collectives_in_hlo(
-    module, distributed.reachable(module, module.entry)
+  # Each device multiplies its own rows of each micro-batch: 64 / (4 * 8).
+  dots = testing.dot_shapes(module)
+  assert ("f32[2,5]", "f32[5,8]") in dots, dots
+  assert all(lhs.startswith("f32[2,") for lhs, _ in dots), dots
+  everywhere = testing.collectives_in_hlo(
+    module, testing.reachable(module, module.entry)
   )
   # One all-reduce after the scan: gradient sum, value sum and weight sum.
   assert [c.opcode for c in everywhere] == ["all-reduce"], everywhere
@@ -439,15 +431,15 @@ def check_sharded_params_and_state() -> None:
   # Nothing moves between devices when the window closes (the optimizer
   # works on its shards), and accumulating gathers nothing the plain step
   # does not: XLA's per-micro-step gradient reduction is all there is.
-  found = distributed.window_collectives(compiled.as_text())
+  found = testing.window_collectives(compiled.as_text())
   assert found.window_closing == [], found
   plain_compiled = (
     jax.jit(plain_step)
     .lower(params, optimizer.init(params), x[:16], y[:16])
     .compile()
   )
-  plain = distributed.collectives_in_hlo(
-    distributed.parse_hlo(plain_compiled.as_text())
+  plain = testing.collectives_in_hlo(
+    testing.parse_hlo(plain_compiled.as_text())
   )
   gathered = sorted(
     c.operand_bytes for c in found.every_micro_step if "gather" in c.opcode

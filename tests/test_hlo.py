@@ -1,0 +1,359 @@
+"""The HLO audits of ga_optax.testing, on hand-written and compiled modules.
+
+The hand-written modules follow the layout XLA prints: computations before
+the ENTRY one, operands named without their shapes (older XLA printed each
+shape beside its operand, which the parser also reads).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ga_optax import testing
+from ga_optax._src.hlo import shape_bytes
+from ga_optax.testing import Collective
+
+# A window-closing conditional and nothing else.
+WINDOW_TEXT = """\
+HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%keep_open (param: (f32[4,3], f32[])) -> (f32[4,3], f32[]) {
+  %param = (f32[4,3]{1,0}, f32[]) parameter(0)
+  ROOT %copy = (f32[4,3]{1,0}, f32[]) copy(%param)
+}
+
+%close (param.1: (f32[4,3], f32[])) -> (f32[4,3], f32[]) {
+  %param.1 = (f32[4,3]{1,0}, f32[]) parameter(0)
+  %gte.0 = f32[4,3]{1,0} get-tuple-element(%param.1), index=0
+  %gte.1 = f32[] get-tuple-element(%param.1), index=1
+  %all-reduce = (f32[4,3]{1,0}, f32[]) all-reduce(%gte.0, /*index=1*/%gte.1), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %result = (f32[4,3]{1,0}, f32[]) copy(%all-reduce)
+}
+
+ENTRY %main (p0: pred[], p1: (f32[4,3], f32[]), p2: bf16[16]) -> (f32[4,3], f32[]) {
+  %p0 = pred[] parameter(0)
+  %p1 = (f32[4,3]{1,0}, f32[]) parameter(1)
+  %p2 = bf16[16]{0} parameter(2)
+  %EVERY_STEP
+  ROOT %conditional = (f32[4,3]{1,0}, f32[]) conditional(%p0, %p1, %p1), branch_computations={%keep_open, %close}
+}
+"""
+
+
+def window_text(every_step: str = "") -> str:
+  return WINDOW_TEXT.replace("%EVERY_STEP", every_step)
+
+
+# A scan over 8 micro-batches of 2 rows: in its body a fused dot, an
+# all-reduce, a called computation with an all-reduce and a conditional
+# whose last branch permutes; in its condition an all-reduce. Outside it: an
+# all-gather, a conditional whose last branch all-reduces, a convolution.
+LOOP_TEXT = """\
+HloModule jit_train, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%matmul (param_0: f32[2,16], param_1: f32[16,32]) -> f32[2,32] {
+  %param_0 = f32[2,16]{1,0} parameter(0)
+  %param_1 = f32[16,32]{1,0} parameter(1)
+  ROOT %dot.1 = f32[2,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%count_votes (vote: s32[]) -> s32[] {
+  %vote = s32[] parameter(0)
+  ROOT %votes = s32[] all-reduce(%vote), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+}
+
+%pass (pass.param: (f32[2,32])) -> (f32[2,32]) {
+  ROOT %pass.param = (f32[2,32]{1,0}) parameter(0)
+}
+
+%shift (shift.param: (f32[2,32])) -> (f32[2,32]) {
+  %shift.param = (f32[2,32]{1,0}) parameter(0)
+  %shift.gte = f32[2,32]{1,0} get-tuple-element(%shift.param), index=0
+  %permuted = f32[2,32]{1,0} collective-permute(%shift.gte), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  ROOT %shifted = (f32[2,32]{1,0}) tuple(%permuted)
+}
+
+%body (state: (s32[], f32[2,32], f32[2,16], f32[16,32], pred[])) -> (s32[], f32[2,32], f32[2,16], f32[16,32], pred[]) {
+  %state = (s32[], f32[2,32]{1,0}, f32[2,16]{1,0}, f32[16,32]{1,0}, pred[]) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %total = f32[2,32]{1,0} get-tuple-element(%state), index=1
+  %x = f32[2,16]{1,0} get-tuple-element(%state), index=2
+  %w = f32[16,32]{1,0} get-tuple-element(%state), index=3
+  %flag = pred[] get-tuple-element(%state), index=4
+  %product = f32[2,32]{1,0} fusion(%x, %w), kind=kOutput, calls=%matmul
+  %reduced = f32[2,32]{1,0} all-reduce(%product), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %vote.sum = s32[] call(%i), to_apply=%count_votes
+  %wrapped = (f32[2,32]{1,0}) tuple(%reduced)
+  %branch = (f32[2,32]{1,0}) conditional(%flag, %wrapped, %wrapped), branch_computations={%pass, %shift}
+  %next = f32[2,32]{1,0} get-tuple-element(%branch), index=0
+  ROOT %carry = (s32[], f32[2,32]{1,0}, f32[2,16]{1,0}, f32[16,32]{1,0}, pred[]) tuple(%vote.sum, %next, %x, %w, /*index=4*/%flag)
+}
+
+%cond (cond.state: (s32[], f32[2,32], f32[2,16], f32[16,32], pred[])) -> pred[] {
+  %cond.state = (s32[], f32[2,32]{1,0}, f32[2,16]{1,0}, f32[16,32]{1,0}, pred[]) parameter(0)
+  %cond.i = s32[] get-tuple-element(%cond.state), index=0
+  %agreed.i = s32[] all-reduce(%cond.i), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %limit = s32[] constant(8)
+  ROOT %more = pred[] compare(%agreed.i, %limit), direction=LT
+}
+
+%keep_open (open.param: (f32[2,32])) -> (f32[2,32]) {
+  ROOT %open.param = (f32[2,32]{1,0}) parameter(0)
+}
+
+%close (close.param: (f32[2,32])) -> (f32[2,32]) {
+  %close.param = (f32[2,32]{1,0}) parameter(0)
+  %close.gte = f32[2,32]{1,0} get-tuple-element(%close.param), index=0
+  %window.sum = f32[2,32]{1,0} all-reduce(%close.gte), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %closed = (f32[2,32]{1,0}) tuple(%window.sum)
+}
+
+ENTRY %main (p0: f32[16,32], p1: f32[2,16], p2: pred[], p3: bf16[16], p4: f32[2,3,8,8], p5: f32[4,3,3,3]) -> ((f32[2,32]), f32[2,4,6,6]) {
+  %p0 = f32[16,32]{1,0} parameter(0)
+  %p1 = f32[2,16]{1,0} parameter(1)
+  %p2 = pred[] parameter(2)
+  %p3 = bf16[16]{0} parameter(3)
+  %p4 = f32[2,3,8,8]{3,2,1,0} parameter(4)
+  %p5 = f32[4,3,3,3]{3,2,1,0} parameter(5)
+  %gathered = bf16[128]{0} all-gather(%p3), dimensions={0}, replica_groups={{0,1,2,3,4,5,6,7}}
+  %zero = s32[] constant(0)
+  %zeros = f32[2,32]{1,0} broadcast(%zero), dimensions={}
+  %init = (s32[], f32[2,32]{1,0}, f32[2,16]{1,0}, f32[16,32]{1,0}, pred[]) tuple(%zero, %zeros, %p1, %p0, /*index=4*/%p2)
+  %loop = (s32[], f32[2,32]{1,0}, f32[2,16]{1,0}, f32[16,32]{1,0}, pred[]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}
+  %sums = f32[2,32]{1,0} get-tuple-element(%loop), index=1
+  %window = (f32[2,32]{1,0}) tuple(%sums)
+  %update = (f32[2,32]{1,0}) conditional(%p2, %window, %window), branch_computations={%keep_open, %close}
+  %image = f32[2,4,6,6]{3,2,1,0} convolution(%p4, %p5), window={size=3x3}, dim_labels=bf01_oi01->bf01
+  ROOT %out = ((f32[2,32]{1,0}), f32[2,4,6,6]{3,2,1,0}) tuple(%update, %image)
+}
+"""
+
+PER_ITERATION = [
+  Collective("count_votes", "votes", "all-reduce", 4),
+  Collective("shift", "permuted", "collective-permute", 2 * 32 * 4),
+  Collective("body", "reduced", "all-reduce", 2 * 32 * 4),
+  Collective("cond", "agreed.i", "all-reduce", 4),
+]
+
+
+def test_parse_hlo_reads_computations_loops_and_callees():
+  module = testing.parse_hlo(LOOP_TEXT)
+  assert module.entry == "main"
+  assert list(module.computations) == [
+    "add",
+    "matmul",
+    "count_votes",
+    "pass",
+    "shift",
+    "body",
+    "cond",
+    "keep_open",
+    "close",
+    "main",
+  ]
+  (loop,) = [i for i in module.computations["main"] if i.opcode == "while"]
+  assert loop == testing.HloInstruction(
+    name="loop",
+    opcode="while",
+    shape=("(s32[], f32[2,32]{1,0}, f32[2,16]{1,0}, f32[16,32]{1,0}, pred[])"),
+    operands=("init",),
+    callees=("cond", "body"),
+    trip_count=8,
+  )
+  body = {i.name: i for i in module.computations["body"]}
+  assert body["product"].callees == ("matmul",)
+  assert body["branch"].callees == ("pass", "shift")
+  assert body["carry"].operands == ("vote.sum", "next", "x", "w", "flag")
+
+
+def test_reachable_follows_calls_and_stops_at_excluded():
+  module = testing.parse_hlo(LOOP_TEXT)
+  assert testing.reachable(module, "body") == {
+    "body",
+    "matmul",
+    "count_votes",
+    "add",
+    "pass",
+    "shift",
+  }
+  assert testing.reachable(module, "main", excluded={"body", "close"}) == {
+    "main",
+    "cond",
+    "add",
+    "keep_open",
+  }
+
+
+def test_loop_collectives_are_those_of_the_body_and_condition():
+  # A collective in a computation the body calls, or in a branch of a
+  # conditional inside the body, also runs once per iteration.
+  assert testing.loop_collectives(LOOP_TEXT) == PER_ITERATION
+
+
+def test_loop_collectives_leave_out_what_runs_outside_the_loop():
+  module = testing.parse_hlo(LOOP_TEXT)
+  outside = {c.name for c in testing.collectives_in_hlo(module)} - {
+    c.name for c in testing.loop_collectives(module)
+  }
+  # The all-gather before the loop and the all-reduce of the conditional
+  # after it (in its closing branch) run once per call.
+  assert outside == {"gathered", "window.sum"}
+
+
+def test_loop_collectives_is_empty_without_a_loop():
+  # WINDOW_TEXT has a collective, in a conditional's branch, but no loop.
+  assert testing.collectives_in_hlo(testing.parse_hlo(window_text()))
+  assert testing.loop_collectives(window_text()) == []
+
+
+def test_text_and_parsed_module_give_the_same_audit():
+  module = testing.parse_hlo(LOOP_TEXT)
+  assert testing.loop_collectives(module) == testing.loop_collectives(LOOP_TEXT)
+  assert testing.dot_shapes(module) == testing.dot_shapes(LOOP_TEXT)
+
+
+def test_dot_shapes_of_fused_dots_and_convolutions():
+  # The dot's operands are the parameters of its fusion; the convolution's
+  # are the entry's parameters. Layouts are left out.
+  assert testing.dot_shapes(LOOP_TEXT) == [
+    ("f32[2,16]", "f32[16,32]"),
+    ("f32[2,3,8,8]", "f32[4,3,3,3]"),
+  ]
+
+
+def test_dot_shapes_reads_operands_printed_with_their_shapes():
+  text = """\
+HloModule jit_predict
+
+ENTRY %main (x: bf16[4,16], w: bf16[16,32]) -> f32[4,32] {
+  %x = bf16[4,16]{1,0:T(8,128)(2,1)} parameter(0)
+  %w = bf16[16,32]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %dot.3 = f32[4,32]{1,0} dot(bf16[4,16]{1,0:T(8,128)(2,1)} %x, bf16[16,32]{1,0:T(8,128)(2,1)} %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+  assert testing.dot_shapes(text) == [("bf16[4,16]", "bf16[16,32]")]
+
+
+def test_dot_shapes_rejects_a_dot_on_undefined_operands():
+  text = """\
+HloModule jit_partial
+
+ENTRY %main (x: f32[4,16]) -> f32[4,32] {
+  %x = f32[4,16]{1,0} parameter(0)
+  ROOT %dot = f32[4,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+  with pytest.raises(ValueError, match="operand %w of %dot is not defined"):
+    testing.dot_shapes(text)
+
+
+@pytest.mark.parametrize(
+  "audit", [testing.loop_collectives, testing.dot_shapes]
+)
+def test_audits_ask_for_text_instead_of_a_compiled_object(audit):
+  compiled = jax.jit(jnp.sin).lower(1.0).compile()
+  with pytest.raises(TypeError, match=r"pass its \.as_text\(\)"):
+    audit(compiled)
+
+
+def test_a_compiled_scan_of_a_dot_on_one_device():
+  def predict(w, xs):
+    def micro_step(total, x):
+      return total + jnp.tanh(x @ w).sum(), None
+
+    return jax.lax.scan(micro_step, 0.0, xs)[0]
+
+  # 4 micro-batches of 8 rows, 16 features in, 32 out.
+  w, xs = jnp.ones((16, 32)), jnp.ones((4, 8, 16))
+  text = jax.jit(predict).lower(w, xs).compile().as_text()
+  module = testing.parse_hlo(text)
+  loops = [
+    instruction
+    for instructions in module.computations.values()
+    for instruction in instructions
+    if instruction.opcode == "while"
+  ]
+  assert [loop.trip_count for loop in loops] == [4]
+  assert testing.dot_shapes(module) == [("f32[8,16]", "f32[16,32]")]
+  # The dot runs inside the loop: once per micro-batch, on its 8 rows.
+  in_loop = set().union(
+    *(testing.reachable(module, callee) for callee in loops[0].callees)
+  )
+  with_dots = {
+    name
+    for name, instructions in module.computations.items()
+    if any(instruction.opcode == "dot" for instruction in instructions)
+  }
+  assert with_dots and with_dots <= in_loop, (with_dots, in_loop)
+  assert testing.collectives_in_hlo(module) == []
+  assert testing.loop_collectives(module) == []
+
+
+def test_window_collectives_finds_the_closing_branch():
+  found = testing.window_collectives(window_text())
+  assert found.every_micro_step == []
+  assert found.closing_branch == "close"
+  assert found.window_closing == [
+    Collective("close", "all-reduce", "all-reduce", 4 * 12 + 4)
+  ]
+
+
+def test_window_collectives_sees_collectives_on_every_step():
+  found = testing.window_collectives(
+    window_text(
+      "%all-gather = bf16[128]{0} all-gather(%p2), dimensions={0},"
+      " replica_groups={{0,1,2,3,4,5,6,7}}"
+    )
+  )
+  assert found.every_micro_step == [
+    Collective("main", "all-gather", "all-gather", 2 * 16)
+  ]
+  assert len(found.window_closing) == 1
+
+
+def test_window_collectives_rejects_collectives_in_the_open_branch():
+  text = window_text().replace(
+    "branch_computations={%keep_open, %close}",
+    "branch_computations={%close, %keep_open}",
+  )
+  with pytest.raises(ValueError, match="last one of its conditional"):
+    testing.window_collectives(text)
+
+
+def test_window_collectives_refuses_collectives_in_two_branches():
+  # The conditional inside the loop body sits in no other branch either, so
+  # two branches hold collectives: the audit refuses rather than guess.
+  with pytest.raises(ValueError, match=r"found them in \['close', 'shift'\]"):
+    testing.window_collectives(LOOP_TEXT)
+
+
+def test_parse_hlo_rejects_text_without_an_entry():
+  with pytest.raises(ValueError, match="hlo_text must be the text"):
+    testing.parse_hlo("f32[] add(%a, %b)")
+
+
+@pytest.mark.parametrize(
+  ("shape", "expected"),
+  [
+    ("f32[4,3]{1,0}", 48),
+    ("(f32[4,3]{1,0}, /*index=1*/bf16[2], pred[])", 48 + 4 + 1),
+    ("s32[]", 4),
+    ("token[]", 0),
+  ],
+)
+def test_shape_bytes(shape, expected):
+  assert shape_bytes(shape) == expected

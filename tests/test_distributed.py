@@ -74,7 +74,20 @@ def test_data_parallel_how_to_runs(tmp_path):
   script = tmp_path / "data_parallel_page.py"
   script.write_text("\n".join(re.findall(r"```python\n(.*?)```", page, re.S)))
   output = run_on_8_devices(str(script))
-  assert output.split() == ["3", "1", "P('data',", "'model')"], output
+  assert output.split() == [
+    "float32[64@data,16]",  # the batch, sharded over "data"
+    "True",  # microbatched loss == large-batch loss
+    "float32[16,32]{U:data}",  # the unreduced accumulator
+    "1",  # one window closed
+    "True",  # accumulated == large-batch parameters
+    "float32[16,32@model]{U:data}",  # on the ("data", "model") mesh
+    "True",  # Auto axes == large batch
+    "True",  # shard_map, in one step == large batch
+    "1",  # shard_map, across steps: one window closed
+    "True",  # shard_map, across steps == large batch
+    "[8]",  # bytes all-reduced on every call
+    "[2436]",  # bytes all-reduced when the window closes
+  ], output
 
 
 def test_data_parallel_example_runs_tiny():

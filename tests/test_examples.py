@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import json
+import os
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -221,3 +224,83 @@ def test_lm_token_weighting(lm_example, tmp_path, capsys):
   assert (tmp_path / "lm_token_weighting.png").stat().st_size > 0
   printed = capsys.readouterr().out
   assert f"plot: {(tmp_path / 'lm_token_weighting.png').resolve()}" in printed
+
+
+# examples/data_parallel.py needs 8 simulated CPU devices, fixed when jax is
+# imported: it runs in a fresh process that calls its main.
+DATA_PARALLEL_DRIVER = """
+import json, runpy, sys
+example = runpy.run_path(sys.argv[1])
+print("DEFAULT_OUTPUT_DIR", example["parse_args"]([]).output_dir.resolve())
+print("RESULTS " + json.dumps(example["main"](sys.argv[2:])))
+"""
+
+
+def run_data_parallel(cwd: Path, *args: str) -> tuple[dict, str]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(
+    filter(
+      None,
+      [env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"],
+    )
+  )
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(EXAMPLES_DIR.parent), env.get("PYTHONPATH", "")])
+  )
+  example = EXAMPLES_DIR / "data_parallel.py"
+  result = subprocess.run(
+    [sys.executable, "-c", DATA_PARALLEL_DRIVER, str(example), *args],
+    env=env,
+    cwd=cwd,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+  printed, _, results = result.stdout.rpartition("RESULTS ")
+  return json.loads(results), printed
+
+
+@pytest.mark.parametrize("mode", ["jit", "shard_map"])
+def test_data_parallel_reduces_once_per_window_and_matches_the_large_batch(
+  mode, tmp_path
+):
+  output_dir = tmp_path / "plots"
+  results, printed = run_data_parallel(
+    tmp_path,
+    *("--mode", mode, "--epochs", "1", "--microbatch", "4"),
+    *("--accumulation-steps", "2", "--hidden", "16"),
+    *("--output-dir", str(output_dir), "--no-progress"),
+  )
+
+  assert list(results) == [
+    "large batch",
+    "deferred, in one step",
+    "deferred, across steps",
+    "reduced every micro-step",
+  ]
+  reference = results["large batch"]
+  assert reference["max_param_difference"] == 0.0
+  assert reference["first_loss"] - reference["final_loss"] > 0.1
+  for name, row in results.items():
+    assert row["max_param_difference"] < EQUIVALENT, name
+    assert row["max_loss_difference"] < EQUIVALENT, name
+  # The claim: the gradients cross the devices once per window, not once
+  # per micro-step (k = 2) as when every micro-step's are reduced.
+  assert {
+    name: row["gradient_all_reduces_per_window"]
+    for name, row in results.items()
+  } == {
+    "large batch": 1,
+    "deferred, in one step": 1,
+    "deferred, across steps": 1,
+    "reduced every micro-step": 2,
+  }
+  plot = output_dir / "data_parallel_losses.png"
+  assert plot.stat().st_size > 0
+  assert f"loss curves: {plot.resolve()}" in printed
+  assert f"mesh {{'data': 8}} ({mode})" in printed
+  default_dir = tmp_path / "ga_optax_output" / "data_parallel"
+  assert f"DEFAULT_OUTPUT_DIR {default_dir.resolve()}" in printed

@@ -1,22 +1,34 @@
-"""Cross-device traffic of data-parallel accumulation, deferred or not.
+"""Data-parallel accumulation on a mesh: rows per device, all-reduces, time.
 
-Compares two ways to accumulate over k micro-steps on a ``data`` mesh:
+One window of ``B`` rows on ``D`` devices in ``k`` micro-batches, then one
+Adam step, written each way a JAX user would reach for:
 
-* deferred: ``ga_optax.accumulate(..., axis_name="data")``; micro-steps add
-  into device-local accumulators and the window's closing step sums them
-  across devices once;
-* every micro-step: each micro-step averages its gradients across devices
-  (``lax.pmean``, like a plain DDP loop without ``no_sync``) and then
-  accumulates them with ``ga_optax.accumulate`` without ``axis_name``.
+* ga_optax under JAX's default workflow (``jax.make_mesh`` with Explicit
+  axes, ``jax.set_mesh``, a batch put with ``P("data")``, a plain
+  ``jax.jit``): ``microbatched_value_and_grad`` (the window in one call), and
+  ``unreduced_value_and_grad`` + ``accumulate(unreduced_axes="data")`` (one
+  call per micro-batch);
+* ga_optax under Auto axes: ``microbatched_value_and_grad(axis_name="data")``;
+* ``optax.microbatching.microbatch`` of ``jax.value_and_grad`` (Auto axes);
+* ``optax.MultiSteps`` fed ``jax.value_and_grad``'s replicated gradients,
+  one call per micro-batch (Explicit axes);
+* ga_optax inside ``jax.shard_map``: ``microbatched_value_and_grad(
+  axis_name="data")`` in one call, and ``accumulate(axis_name="data")``
+  across calls;
+* and the large batch itself, for reference.
 
-Collective counts and bytes come from the compiled program
-(``ga_optax.testing.window_collectives``): the all-reduce operand
-bytes per device of the part that runs on every micro-step and of the branch
-that runs when a window closes. Step times are medians over windows of the
-jitted, donated step. Prints a Markdown table and writes JSON::
+Read from each compiled program with ``ga_optax.testing``: the rows each
+device multiplies per micro-batch (``dot_shapes``: the activations that meet
+a kernel), and the all-reduces of one window as they run (a loop body's once
+per iteration, the closing branch's once per window, the others once per
+call). Window times are medians over windows; the variants take turns
+window by window, in a rotating order, so that a busy host slows them alike.
+The last column is each variant's largest relative parameter difference
+from the large batch after the run. Prints a Markdown table, the ratios and
+the targets, and writes JSON::
 
   python benchmarks/data_parallel.py                   # 8 simulated CPU devices
-  python benchmarks/data_parallel.py --json out.json --width 1024
+  python benchmarks/data_parallel.py --width 1024 --windows 20
 """
 
 from __future__ import annotations
@@ -40,18 +52,20 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax import testing
 from ga_optax.testing import max_relative_difference
+
+Batch = dict[str, jax.Array]
 
 
 def init_mlp(width: int, layers: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -65,359 +79,446 @@ def init_mlp(width: int, layers: int, seed: int = 0) -> list[dict[str, Any]]:
   ]
 
 
-def loss_fn(params, x, y):
-  hidden = x
+def loss_fn(params: list[dict[str, Any]], batch: Batch) -> jax.Array:
+  hidden = batch["x"]
   for layer in params[:-1]:
     hidden = jnp.tanh(hidden @ layer["kernel"] + layer["bias"])
   prediction = hidden @ params[-1]["kernel"] + params[-1]["bias"]
-  return jnp.mean((prediction - y) ** 2)
+  return jnp.mean((prediction - batch["y"]) ** 2)
 
 
-def deferred_step(tx: optax.GradientTransformationExtraArgs) -> Callable:
-  def step(params, state, x, y):
-    grads = jax.grad(loss_fn)(params, x, y)
+def optimizer_step(value_and_grad: Callable, tx: Any) -> Callable:
+  """``(params, state, batch) -> (params, state, loss)``."""
+
+  def step(params: Any, state: Any, batch: Batch) -> tuple[Any, Any, Any]:
+    loss, grads = value_and_grad(params, batch)
     updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+    return optax.apply_updates(params, updates), state, loss
 
   return step
 
 
-def every_micro_step(tx: optax.GradientTransformationExtraArgs) -> Callable:
-  def step(params, state, x, y):
-    grads = jax.lax.pmean(jax.grad(loss_fn)(params, x, y), "data")
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+class Variant(NamedTuple):
+  """One way to train a window.
 
-  return step
+  Attributes:
+    name: the row's name.
+    mesh: the mesh it runs on (Explicit or Auto axes).
+    calls_per_window: 1 when a call takes the window, k when a micro-batch.
+    init: ``params -> state``.
+    step: ``(params, state, batch) -> (params, state, loss)``, jitted with
+      params and state donated.
+  """
+
+  name: str
+  mesh: Mesh
+  calls_per_window: int
+  init: Callable[[Any], Any]
+  step: Any
 
 
-def summarize(collectives: list[testing.Collective]) -> dict[str, int]:
-  return {
-    "count": len(collectives),
-    "bytes": sum(collective.operand_bytes for collective in collectives),
-  }
+LARGE_BATCH = "large batch (no accumulation)"
+EXPLICIT_IN_STEP = "ga_optax Explicit: microbatched_value_and_grad"
+EXPLICIT_ACROSS = "ga_optax Explicit: unreduced_value_and_grad + accumulate"
+AUTO_IN_STEP = "ga_optax Auto: microbatched_value_and_grad(axis_name)"
+OPTAX_MICROBATCHING = "optax.microbatching (Auto)"
+MULTI_STEPS = "optax.MultiSteps, replicated grads (Explicit)"
+SHARD_MAP_IN_STEP = "ga_optax shard_map: microbatched_value_and_grad(axis_name)"
+SHARD_MAP_ACROSS = "ga_optax shard_map: accumulate(axis_name)"
+PLAIN_JIT_GA_OPTAX = (EXPLICIT_IN_STEP, EXPLICIT_ACROSS, AUTO_IN_STEP)
 
 
-class Variant:
-  """One way of accumulating: its compiled step, its audit and its timings."""
+def make_variants(
+  explicit: Mesh, auto: Mesh, k: int, micro_batch_rows: int
+) -> list[Variant]:
+  optimizer = optax.adam(1e-3)
 
-  def __init__(
-    self,
-    name: str,
-    step_fn: Callable,
-    tx: optax.GradientTransformationExtraArgs,
-    mesh: Mesh,
-    args: argparse.Namespace,
-    example: tuple[np.ndarray, np.ndarray],
-  ):
-    self.name, self.k = name, args.k
-    self.step = jax.jit(
-      jax.shard_map(
-        step_fn,
-        mesh=mesh,
-        in_specs=(P(), P(), P("data"), P("data")),
-        out_specs=(P(), P()),
-        check_vma=False,
+  def jitted(step: Callable) -> Any:
+    return jax.jit(step, donate_argnums=(0, 1))
+
+  unreduced_tx = ga_optax.accumulate(optimizer, k, unreduced_axes="data")
+  multi_steps = optax.MultiSteps(optimizer, k)
+  optax_microbatched = optax.microbatching.microbatch(
+    jax.value_and_grad(loss_fn),
+    argnums=1,
+    microbatch_size=micro_batch_rows,
+    accumulator=optax.microbatching.AccumulationType.MEAN,
+  )
+  mapped_tx = ga_optax.accumulate(optimizer, k, axis_name="data")
+
+  def mapped_across_steps(params: Any, state: Any, batch: Batch):
+    # Each device's own rows: no collective until the window closes.
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = mapped_tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss[None]
+
+  return [
+    Variant(
+      LARGE_BATCH,
+      explicit,
+      1,
+      optimizer.init,
+      jitted(optimizer_step(jax.value_and_grad(loss_fn), optimizer)),
+    ),
+    Variant(
+      EXPLICIT_IN_STEP,
+      explicit,
+      1,
+      optimizer.init,
+      jitted(
+        optimizer_step(
+          ga_optax.microbatched_value_and_grad(loss_fn, k), optimizer
+        )
       ),
-      donate_argnums=(0, 1),
-    )
-    self.params = init_mlp(args.width, args.layers)
-    self.state = tx.init(self.params)
-    found = testing.window_collectives(
-      self.step.lower(self.params, self.state, *example).compile().as_text()
-    )
-    self.per_micro_step = summarize(found.every_micro_step)
-    self.closing = summarize(found.window_closing)
-    self.micro_seconds: list[float] = []
-    self.closing_seconds: list[float] = []
-
-  def run_window(self, xs: np.ndarray, ys: np.ndarray, timed: bool) -> None:
-    for micro_step in range(self.k):
-      began = time.perf_counter()
-      self.params, self.state = self.step(
-        self.params, self.state, xs[micro_step], ys[micro_step]
-      )
-      jax.block_until_ready((self.params, self.state))
-      elapsed = time.perf_counter() - began
-      if timed:
-        closes = micro_step == self.k - 1
-        (self.closing_seconds if closes else self.micro_seconds).append(elapsed)
-
-  def row(self) -> dict[str, Any]:
-    per_window = {
-      key: self.k * self.per_micro_step[key] + self.closing[key]
-      for key in self.closing
-    }
-    return {
-      "variant": self.name,
-      "collectives_per_micro_step": self.per_micro_step["count"],
-      "bytes_per_micro_step": self.per_micro_step["bytes"],
-      "collectives_when_window_closes": self.closing["count"],
-      "bytes_when_window_closes": self.closing["bytes"],
-      "collectives_per_window": per_window["count"],
-      "bytes_per_window": per_window["bytes"],
-      "micro_step_ms": (
-        1e3 * statistics.median(self.micro_seconds)
-        if self.micro_seconds
-        else None
+    ),
+    Variant(
+      EXPLICIT_ACROSS,
+      explicit,
+      k,
+      unreduced_tx.init,
+      jitted(
+        optimizer_step(ga_optax.unreduced_value_and_grad(loss_fn), unreduced_tx)
       ),
-      "closing_step_ms": 1e3 * statistics.median(self.closing_seconds),
-    }
+    ),
+    Variant(
+      AUTO_IN_STEP,
+      auto,
+      1,
+      optimizer.init,
+      jitted(
+        optimizer_step(
+          ga_optax.microbatched_value_and_grad(loss_fn, k, axis_name="data"),
+          optimizer,
+        )
+      ),
+    ),
+    Variant(
+      OPTAX_MICROBATCHING,
+      auto,
+      1,
+      optimizer.init,
+      jitted(optimizer_step(optax_microbatched, optimizer)),
+    ),
+    Variant(
+      MULTI_STEPS,
+      explicit,
+      k,
+      multi_steps.init,
+      jitted(optimizer_step(jax.value_and_grad(loss_fn), multi_steps)),
+    ),
+    Variant(
+      SHARD_MAP_IN_STEP,
+      explicit,
+      1,
+      optimizer.init,
+      jitted(
+        jax.shard_map(
+          optimizer_step(
+            ga_optax.microbatched_value_and_grad(loss_fn, k, axis_name="data"),
+            optimizer,
+          ),
+          mesh=explicit,
+          in_specs=(P(), P(), P("data")),
+          out_specs=P(),
+        )
+      ),
+    ),
+    Variant(
+      SHARD_MAP_ACROSS,
+      explicit,
+      k,
+      # axis_name names a manual axis: init inside a shard_map too.
+      jax.jit(
+        jax.shard_map(
+          mapped_tx.init, mesh=explicit, in_specs=P(), out_specs=P()
+        )
+      ),
+      jitted(
+        # Between closes each device's accumulator is its own partial sum,
+        # not the replicated value out_specs=P() claims: the check is off.
+        jax.shard_map(
+          mapped_across_steps,
+          mesh=explicit,
+          in_specs=(P(), P(), P("data")),
+          out_specs=(P(), P(), P("data")),
+          check_vma=False,
+        )
+      ),
+    ),
+  ]
 
 
-def executed_collectives(hlo_text: str) -> dict[str, int]:
-  """Collectives one call runs, a loop body's counted once per iteration."""
+class Audit(NamedTuple):
+  """What one window runs, read from the compiled step.
+
+  Attributes:
+    rows_per_device: rows of a micro-batch each device computes (the
+      leading size of the activations the kernels multiply).
+    all_reduces: all-reduces per window, counted as they run.
+    parameter_sized: those that move at least the parameters' bytes.
+    all_reduce_bytes: their operand bytes on one device, per window.
+  """
+
+  rows_per_device: int
+  all_reduces: int
+  parameter_sized: int
+  all_reduce_bytes: int
+
+
+def audit(hlo_text: str, calls: int, width: int, parameter_bytes: int) -> Audit:
+  """Counts a loop body's all-reduces once per iteration, the closing
+  branch's once per window, the others' once per call."""
   module = testing.parse_hlo(hlo_text)
-  totals = {"count": 0, "bytes": 0, "in_loops": 0}
+  closing = testing.window_collectives(hlo_text).closing_branch
+  sizes: list[int] = []
 
-  def visit(computation: str, times: int, in_loop: bool) -> None:
+  def visit(computation: str, times: int) -> None:
     for collective in testing.collectives_in_hlo(module, [computation]):
-      totals["count"] += times
-      totals["bytes"] += times * collective.operand_bytes
-      totals["in_loops"] += in_loop
+      if collective.opcode.startswith("all-reduce"):
+        sizes.extend([collective.operand_bytes] * times)
     for instruction in module.computations.get(computation, ()):
+      trips = 1
       if instruction.opcode == "while":
         if instruction.trip_count is None:
           raise ValueError(f"unknown trip count of {instruction.name}")
-        for callee in instruction.callees:
-          visit(callee, times * instruction.trip_count, True)
-      else:
-        for callee in instruction.callees:
-          visit(callee, times, in_loop)
+        trips = instruction.trip_count
+      for callee in instruction.callees:
+        visit(callee, times // calls if callee == closing else times * trips)
 
-  visit(module.entry, 1, False)
-  return totals
-
-
-def scan_window_step(
-  optimizer: optax.GradientTransformation, k: int, deferred: bool
-) -> Callable:
-  """One window in one call: a lax.scan over k micro-batches, then Adam."""
-  if deferred:
-    value_and_grad = ga_optax.microbatched_value_and_grad(
-      lambda params, batch: loss_fn(params, *batch), k, axis_name="data"
-    )
-  else:
-
-    def value_and_grad(params, batch):
-      microbatches = jax.tree.map(
-        lambda leaf: leaf.reshape(k, -1, *leaf.shape[1:]), batch
-      )
-
-      def body(grad_sum, microbatch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, *microbatch)
-        grads = jax.lax.pmean(grads, "data")
-        return jax.tree.map(jnp.add, grad_sum, grads), loss
-
-      grad_sum, losses = jax.lax.scan(
-        body, optax.tree.zeros_like(params), microbatches
-      )
-      return losses.mean(), optax.tree.scale(1 / k, grad_sum)
-
-  def step(params, opt_state, x, y):
-    _, grads = value_and_grad(params, (x, y))
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return step
+  visit(module.entry, calls)
+  return Audit(
+    rows_per_device=rows_per_device(hlo_text, width),
+    all_reduces=len(sizes),
+    parameter_sized=sum(size >= parameter_bytes for size in sizes),
+    all_reduce_bytes=sum(sizes),
+  )
 
 
-def scan_variant(
-  name: str,
-  deferred: bool,
-  optimizer: optax.GradientTransformation,
-  mesh: Mesh,
-  args: argparse.Namespace,
+def rows_per_device(hlo_text: str, width: int) -> int:
+  """The most rows a dot multiplies by a ``width x width`` kernel."""
+  kernel = f"[{width},{width}]"
+  rows = [
+    int(activation[activation.index("[") + 1 : activation.index(",")])
+    for shapes in testing.dot_shapes(hlo_text)
+    if any(shape.endswith(kernel) for shape in shapes)
+    for activation in shapes
+    if not activation.endswith(kernel) and activation.count(",") == 1
+  ]
+  return max(rows)
+
+
+class Timed(NamedTuple):
+  """A variant's compiled step, its state, and its window times."""
+
+  variant: Variant
+  compiled: Any
+  state: dict[str, Any]
+  windows: list[Any]
+  seconds: list[float]
+
+
+def prepare(
+  variant: Variant,
+  host_params: Any,
   xs: np.ndarray,
   ys: np.ndarray,
-) -> tuple[Callable, Callable, dict[str, Any]]:
-  """Compiles and audits a one-call-per-window variant; times it on demand."""
-  step = jax.jit(
-    jax.shard_map(
-      scan_window_step(optimizer, args.k, deferred),
-      mesh=mesh,
-      in_specs=(P(), P(), P("data"), P("data")),
-      out_specs=(P(), P()),
-      check_vma=False,
-    ),
-    donate_argnums=(0, 1),
+) -> Timed:
+  """Places params, state and every call's batch on the variant's mesh."""
+  with jax.set_mesh(variant.mesh):
+    params = jax.device_put(host_params, NamedSharding(variant.mesh, P()))
+    state = variant.init(params)
+    rows_per_call = xs.shape[1] // variant.calls_per_window
+    batch_sharding = NamedSharding(variant.mesh, P("data"))
+    windows = [
+      [
+        jax.device_put(
+          {
+            "x": x[call * rows_per_call : (call + 1) * rows_per_call],
+            "y": y[call * rows_per_call : (call + 1) * rows_per_call],
+          },
+          batch_sharding,
+        )
+        for call in range(variant.calls_per_window)
+      ]
+      for x, y in zip(xs, ys, strict=True)
+    ]
+    compiled = variant.step.lower(params, state, windows[0][0]).compile()
+  return Timed(
+    variant, compiled, {"params": params, "state": state}, windows, []
   )
-  params = init_mlp(args.width, args.layers)
-  opt_state = optimizer.init(params)
-  # Each device's rows hold its k micro-batches, back to back.
-  num_devices = mesh.devices.size
-  windows_x = xs.reshape(xs.shape[0], num_devices, -1, xs.shape[-1])
-  windows_x = windows_x.reshape(xs.shape[0], -1, xs.shape[-1])
-  windows_y = ys.reshape(windows_x.shape)
-  totals = executed_collectives(
-    step.lower(params, opt_state, windows_x[0], windows_y[0])
-    .compile()
-    .as_text()
-  )
-  seconds: list[float] = []
-  state = {"params": params, "opt_state": opt_state}
 
-  def run_window(window: int) -> None:
-    began = time.perf_counter()
-    state["params"], state["opt_state"] = step(
-      state["params"], state["opt_state"], windows_x[window], windows_y[window]
+
+def run_window(timed: Timed, window: int, measured: bool) -> None:
+  began = time.perf_counter()
+  for batch in timed.windows[window]:
+    timed.state["params"], timed.state["state"], _ = timed.compiled(
+      timed.state["params"], timed.state["state"], batch
     )
-    jax.block_until_ready(state["params"])
-    if window > 0:
-      seconds.append(time.perf_counter() - began)
-
-  def row() -> dict[str, Any]:
-    return {
-      "variant": name,
-      "collectives_per_window": totals["count"],
-      "collective_ops_in_scan_body": totals["in_loops"],
-      "bytes_per_window": totals["bytes"],
-      "window_ms": 1e3 * statistics.median(seconds),
-    }
-
-  return run_window, row, state
+  jax.block_until_ready(timed.state["params"])
+  if measured:
+    timed.seconds.append(time.perf_counter() - began)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--width", type=int, default=512)
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument(
-    "--microbatch", type=int, default=8, help="examples per device"
+    "--batch", type=int, default=128, help="B, rows per window (global)"
   )
-  parser.add_argument("--k", type=int, default=4, help="micro-steps per window")
-  parser.add_argument("--windows", type=int, default=5, help="timed windows")
+  parser.add_argument("--k", type=int, default=8, help="micro-batches")
+  parser.add_argument("--windows", type=int, default=10, help="timed windows")
   parser.add_argument(
     "--json",
     type=Path,
     default=Path(__file__).resolve().parent / "results" / "data_parallel.json",
   )
-  args = parser.parse_args()
+  return parser.parse_args()
 
+
+def main() -> None:
+  args = parse_args()
   devices = jax.devices()
-  mesh = Mesh(np.array(devices), ("data",))
-  optimizer = optax.adam(1e-3)
+  num_devices = len(devices)
+  explicit = jax.make_mesh((num_devices,), ("data",), devices=devices)
+  auto = jax.make_mesh(
+    (num_devices,), ("data",), (AxisType.Auto,), devices=devices
+  )
+  host_params = jax.device_get(init_mlp(args.width, args.layers))
+  parameter_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(host_params))
   rng = np.random.default_rng(1)
-  shape = (args.windows + 1, args.k, len(devices) * args.microbatch, args.width)
+  shape = (args.windows + 1, args.batch, args.width)
   xs = rng.normal(size=shape).astype(np.float32)
   ys = rng.normal(size=shape).astype(np.float32)
-  variants = [
-    Variant(
-      "deferred (axis_name)",
-      deferred_step(
-        tx := ga_optax.accumulate(optimizer, args.k, axis_name="data")
-      ),
-      tx,
-      mesh,
-      args,
-      (xs[0, 0], ys[0, 0]),
-    ),
-    Variant(
-      "pmean every micro-step",
-      every_micro_step(tx := ga_optax.accumulate(optimizer, args.k)),
-      tx,
-      mesh,
-      args,
-      (xs[0, 0], ys[0, 0]),
-    ),
-  ]
-  # Window 0 warms up (compilation, and a recompilation once the state
-  # carries the mesh's sharding). The variants take turns window by window
-  # so that a busy host slows both alike.
-  for window in range(args.windows + 1):
-    for variant in variants:
-      variant.run_window(xs[window], ys[window], timed=window > 0)
-  rows = [variant.row() for variant in variants]
-  final_params = [jax.device_get(variant.params) for variant in variants]
 
-  num_params = sum(
-    leaf.size for leaf in jax.tree.leaves(init_mlp(args.width, args.layers))
-  )
-  ratio = rows[1]["bytes_per_window"] / rows[0]["bytes_per_window"]
-  difference = max_relative_difference(final_params[0], final_params[1])
-  print(
-    f"{len(devices)} x {devices[0].platform} devices"
-    f" ({'simulated on the host' if devices[0].platform == 'cpu' else 'real'}),"
-    f" MLP {args.layers} x {args.width}x{args.width} ({num_params:,} float32"
-    f" parameters), Adam, micro-batch {args.microbatch} per device,"
-    f" k = {args.k}\n"
-  )
-  print(
-    "| variant | all-reduces per micro-step | all-reduces when a window"
-    " closes | all-reduces per window | bytes per window (per device) |"
-    " micro-step ms | closing step ms |"
-  )
-  print("|---|---:|---:|---:|---:|---:|---:|")
+  variants = make_variants(explicit, auto, args.k, args.batch // args.k)
+  runs = [prepare(variant, host_params, xs, ys) for variant in variants]
+  audits = {
+    run.variant.name: audit(
+      run.compiled.as_text(),
+      run.variant.calls_per_window,
+      args.width,
+      parameter_bytes,
+    )
+    for run in runs
+  }
+  # Window 0 warms up. The variants take turns window by window, in an
+  # order that rotates, so that a busy host slows them alike.
+  for window in range(args.windows + 1):
+    shift = window % len(runs)
+    for run in runs[shift:] + runs[:shift]:
+      with jax.set_mesh(run.variant.mesh):
+        run_window(run, window, measured=window > 0)
+  reference = jax.device_get(runs[0].state["params"])
+  target_rows = args.batch // (args.k * num_devices)
+
+  rows = []
+  for run in runs:
+    found = audits[run.variant.name]
+    rows.append(
+      {
+        "variant": run.variant.name,
+        "calls_per_window": run.variant.calls_per_window,
+        "rows_per_device_per_microbatch": found.rows_per_device,
+        "all_reduces_per_window": found.all_reduces,
+        "parameter_sized_all_reduces_per_window": found.parameter_sized,
+        "all_reduce_bytes_per_window": found.all_reduce_bytes,
+        "window_ms": 1e3 * statistics.median(run.seconds),
+        "max_relative_difference_to_large_batch": max_relative_difference(
+          jax.device_get(run.state["params"]), reference
+        ),
+      }
+    )
+  by_name = {row["variant"]: row for row in rows}
+  multi_steps = by_name[MULTI_STEPS]
+  optax_microbatching = by_name[OPTAX_MICROBATCHING]
   for row in rows:
-    micro_ms = (
-      "n/a" if row["micro_step_ms"] is None else f"{row['micro_step_ms']:.2f}"
+    # Against the shard_map path that takes as many calls per window.
+    shard_map = by_name[
+      SHARD_MAP_IN_STEP if row["calls_per_window"] == 1 else SHARD_MAP_ACROSS
+    ]
+    row["bytes_vs_multisteps"] = (
+      row["all_reduce_bytes_per_window"]
+      / multi_steps["all_reduce_bytes_per_window"]
     )
-    print(
-      f"| {row['variant']} | {row['collectives_per_micro_step']} |"
-      f" {row['collectives_when_window_closes']} |"
-      f" {row['collectives_per_window']} | {row['bytes_per_window']:,} |"
-      f" {micro_ms} | {row['closing_step_ms']:.2f} |"
+    row["time_vs_optax_microbatching"] = (
+      row["window_ms"] / optax_microbatching["window_ms"]
     )
-  print(
-    f"\ntraffic per window, every micro-step / deferred: {ratio:.2f}x;"
-    f" largest relative parameter difference between the variants:"
-    f" {difference:.1e}"
-  )
+    row["time_vs_shard_map"] = row["window_ms"] / shard_map["window_ms"]
 
-  scan_variants = [
-    scan_variant(name, deferred, optimizer, mesh, args, xs, ys)
-    for name, deferred in (
-      ("microbatched_value_and_grad(axis_name)", True),
-      ("lax.scan with pmean per micro-batch", False),
-    )
-  ]
-  for window in range(args.windows + 1):
-    for run_window, _, _ in scan_variants:
-      run_window(window)
-  scan_rows = [row() for _, row, _ in scan_variants]
-  scan_params = [
-    jax.device_get(state["params"]) for _, _, state in scan_variants
-  ]
-  scan_ratio = (
-    scan_rows[1]["bytes_per_window"] / scan_rows[0]["bytes_per_window"]
-  )
-  scan_difference = max_relative_difference(scan_params[0], scan_params[1])
   print(
-    "\nIn-step micro-batching (one call per window):\n\n"
-    "| variant | all-reduces per window | all-reduce ops in the scan body |"
-    " bytes per window (per device) | window ms |\n"
-    "|---|---:|---:|---:|---:|"
+    f"{num_devices} x {devices[0].platform} devices"
+    f" ({'simulated on the host' if devices[0].platform == 'cpu' else 'real'}),"
+    f" MLP {args.layers} x {args.width}x{args.width}"
+    f" ({parameter_bytes // 4:,} float32 parameters, {parameter_bytes:,}"
+    f" bytes), Adam; B = {args.batch} rows per window, k = {args.k},"
+    f" D = {num_devices}: B/(k*D) = {target_rows} rows per device per"
+    f" micro-batch; medians of {args.windows} windows\n"
   )
-  for row in scan_rows:
+  print(
+    "| variant | calls per window | rows per device per micro-batch |"
+    " all-reduces per window (parameter-sized) | all-reduce bytes per window"
+    " | bytes / MultiSteps' | window ms | time / optax.microbatching |"
+    " time / shard_map path | max rel. difference to large batch |"
+  )
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for row in rows:
     print(
-      f"| {row['variant']} | {row['collectives_per_window']} |"
-      f" {row['collective_ops_in_scan_body']} | {row['bytes_per_window']:,} |"
-      f" {row['window_ms']:.2f} |"
+      f"| {row['variant']} | {row['calls_per_window']} |"
+      f" {row['rows_per_device_per_microbatch']} |"
+      f" {row['all_reduces_per_window']}"
+      f" ({row['parameter_sized_all_reduces_per_window']}) |"
+      f" {row['all_reduce_bytes_per_window']:,} |"
+      f" {row['bytes_vs_multisteps']:.6f} | {row['window_ms']:.1f} |"
+      f" {row['time_vs_optax_microbatching']:.2f} |"
+      f" {row['time_vs_shard_map']:.2f} |"
+      f" {row['max_relative_difference_to_large_batch']:.1e} |"
     )
-  print(
-    f"\ntraffic per window, pmean per micro-batch / deferred:"
-    f" {scan_ratio:.2f}x; largest relative parameter difference:"
-    f" {scan_difference:.1e}"
-  )
+
+  targets = {
+    row["variant"]: {
+      f"rows per device == {target_rows}": (
+        row["rows_per_device_per_microbatch"] == target_rows
+      ),
+      "parameter-sized all-reduces per window == 1": (
+        row["parameter_sized_all_reduces_per_window"] == 1
+      ),
+      f"bytes per window <= MultiSteps' / {args.k}": (
+        row["bytes_vs_multisteps"] <= 1 / args.k
+      ),
+      "time <= optax.microbatching's": row["time_vs_optax_microbatching"] <= 1,
+      "time <= 1.1 x the shard_map path's": row["time_vs_shard_map"] <= 1.1,
+    }
+    for row in rows
+    if row["variant"] in PLAIN_JIT_GA_OPTAX
+  }
+  print("\nTargets for ga_optax under plain jit:\n")
+  names = list(next(iter(targets.values())))
+  print("| variant | " + " | ".join(names) + " |")
+  print("|---|" + "---|" * len(names))
+  for variant, met in targets.items():
+    print(
+      f"| {variant} | "
+      + " | ".join("yes" if met[name] else "no" for name in names)
+      + " |"
+    )
 
   report = {
     "benchmark": "data_parallel",
-    "devices": len(devices),
+    "devices": num_devices,
     "platform": devices[0].platform,
     "device_kind": devices[0].device_kind,
     "host": platform.processor() or platform.machine(),
     "jax": jax.__version__,
-    "config": vars(args) | {"json": str(args.json), "parameters": num_params},
+    "optax": optax.__version__,
+    "config": vars(args)
+    | {"json": str(args.json), "parameter_bytes": parameter_bytes},
     "rows": rows,
-    "traffic_ratio_per_window": ratio,
-    "max_relative_parameter_difference": difference,
-    "microbatched_rows": scan_rows,
-    "microbatched_traffic_ratio_per_window": scan_ratio,
-    "microbatched_max_relative_parameter_difference": scan_difference,
+    "targets": targets,
   }
   args.json.parent.mkdir(parents=True, exist_ok=True)
   args.json.write_text(json.dumps(report, indent=2) + "\n")
-  print(f"wrote {args.json}")
+  print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -88,14 +88,3 @@ def test_data_parallel_how_to_runs(tmp_path):
     "[8]",  # bytes all-reduced on every call
     "[2436]",  # bytes all-reduced when the window closes
   ], output
-
-
-def test_data_parallel_example_runs_tiny():
-  output = run_on_8_devices(
-    str(ROOT / "examples" / "data_parallel.py"),
-    "--epochs=1",
-    "--microbatch=4",
-    "--accumulation-steps=2",
-    "--hidden=16",
-  )
-  assert "| deferred" in output, output

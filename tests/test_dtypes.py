@@ -1,0 +1,345 @@
+"""Gradients in another dtype than the params, on every path.
+
+Mixed precision meets gradient accumulation both ways: float32 gradients of
+bfloat16 params (float32 master gradients), bfloat16 gradients of float32
+params (a bfloat16 backward pass), float16, and any mix leaf by leaf. For
+each direction and each optimizer the contract is the same:
+
+* the updates have the dtypes the wrapped optimizer gives for those
+  gradients, on the micro-steps (zeros) as on the window-closing call;
+* the state keeps its shapes, dtypes and weak types from call to call,
+  across window closes too, so a jitted step compiles once and the state
+  donates and checkpoints;
+* the numbers are the wrapped optimizer's, applied once per window to the
+  window's weighted mean gradient (formed in float32, then cast to the
+  gradients' dtype), with its state kept in its own dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ga_optax
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+EVERY_K = 2
+NUM_WINDOWS = 2
+# Their sum is 4, so the mean's 1/4 is exact: the accumulated mean and the
+# reference's are the same float32 numbers before the cast to the grads'
+# dtype, and the comparison below measures the optimizer alone.
+WEIGHTS = (1.0, 3.0) * NUM_WINDOWS
+
+SHAPES = {"w": (3, 4), "b": (4,)}
+
+# direction: (param dtype per leaf, gradient dtype per leaf)
+DIRECTIONS = {
+  "f32-grads-of-bf16-params": ({"w": BF16, "b": BF16}, {"w": F32, "b": F32}),
+  "bf16-grads-of-f32-params": ({"w": F32, "b": F32}, {"w": BF16, "b": BF16}),
+  "f32-grads-of-f16-params": ({"w": F16, "b": F16}, {"w": F32, "b": F32}),
+  # Wider and narrower at once: f32 into bf16, and f16 into f32.
+  "per-leaf-mix": ({"w": BF16, "b": F32}, {"w": F32, "b": F16}),
+}
+
+OPTIMIZERS = {
+  # The schedule moves on every applied update, so a stray inner step shows.
+  "adam-schedule": lambda: optax.adam(
+    optax.exponential_decay(1e-2, transition_steps=1, decay_rate=0.5)
+  ),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
+  "clip-adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1)
+  ),
+}
+
+PATHS = ("accumulate", "accumulate_and_apply")
+
+
+def _eager_cases() -> list[Any]:
+  """Every direction on both paths, and every optimizer at least once.
+
+  Direction ``d`` on path ``p`` takes optimizer ``2 * d + p`` (modulo their
+  number). Each eager run compiles its own program (see test_eager.py), so
+  the eager runs are this sample of the matrix, not all of it.
+  """
+  optimizers = list(OPTIMIZERS)
+  return [
+    pytest.param(direction, optimizers[(2 * d + p) % len(optimizers)], path)
+    for d, direction in enumerate(DIRECTIONS)
+    for p, path in enumerate(PATHS)
+  ]
+
+
+def _tolerance(*dtype_trees: Any) -> float:
+  """Relative tolerance for results that passed through these dtypes."""
+  dtypes = {jnp.dtype(d) for tree in dtype_trees for d in jax.tree.leaves(tree)}
+  if jnp.dtype(BF16) in dtypes:
+    return 2e-2
+  if jnp.dtype(F16) in dtypes:
+    return 4e-3
+  return 1e-5
+
+
+def _leaves_like(dtypes: dict[str, Any], seed: int, scale: float) -> Any:
+  # NumPy draws: jax.random would compile a program per shape and dtype.
+  rng = np.random.default_rng(seed)
+  return {
+    name: jnp.asarray(scale * rng.standard_normal(SHAPES[name]), dtypes[name])
+    for name in sorted(SHAPES)
+  }
+
+
+def _params(direction: str) -> Any:
+  return _leaves_like(DIRECTIONS[direction][0], seed=0, scale=1.0)
+
+
+def _grads_seq(direction: str) -> list[Any]:
+  return [
+    _leaves_like(DIRECTIONS[direction][1], seed=1 + call, scale=0.5)
+    for call in range(EVERY_K * NUM_WINDOWS)
+  ]
+
+
+def _assert_close(actual: Any, expected: Any, rtol: float) -> None:
+  """Same tree, dtypes and finite values within ``rtol``.
+
+  chex compares NaN equal to NaN; finiteness is asserted first so that two
+  NaN results never pass as equal.
+  """
+  chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
+  chex.assert_tree_all_finite(actual)
+  chex.assert_tree_all_finite(expected)
+  as_f32 = functools.partial(jax.tree.map, lambda leaf: leaf.astype(F32))
+  # Updates are of the order of the learning rates (1e-3 .. 1e-2).
+  chex.assert_trees_all_close(
+    as_f32(actual), as_f32(expected), rtol=rtol, atol=rtol * 1e-2
+  )
+
+
+def _avals(tree: Any) -> Any:
+  """Shape, dtype and weak type of every leaf: what a jit cache keys on."""
+  return jax.tree.map(jax.typeof, tree)
+
+
+def _reference(inner, params, grads_seq):
+  """The wrapped optimizer once per window, on the window's weighted mean.
+
+  Returns the updates of each window and the params after each window. The
+  inner state is cast back to its own dtypes after each step, as the
+  accumulation keeps it.
+  """
+  state = inner.init(params)
+  window_updates, window_params = [], []
+  for window in range(NUM_WINDOWS):
+    calls = range(window * EVERY_K, (window + 1) * EVERY_K)
+    weight_sum = sum(WEIGHTS[call] for call in calls)
+
+    def mean(*grads, calls=calls, weight_sum=weight_sum):
+      total = sum(
+        WEIGHTS[call] * grad.astype(F32)
+        for call, grad in zip(calls, grads, strict=True)
+      )
+      return (total / weight_sum).astype(grads[0].dtype)
+
+    mean_grads = jax.tree.map(mean, *[grads_seq[call] for call in calls])
+    updates, new_state = inner.update(mean_grads, state, params)
+    state = jax.tree.map(
+      lambda new, old: jnp.asarray(new).astype(old.dtype), new_state, state
+    )
+    params = optax.apply_updates(params, updates)
+    window_updates.append(updates)
+    window_params.append(params)
+  return window_updates, window_params
+
+
+class Run(NamedTuple):
+  """One optimizer's run: its first state, and per call what came out."""
+
+  initial_state: Any
+  outputs: list[Any]  # updates (accumulate) or new params (fused)
+  states: list[Any]
+
+
+def _runs(
+  direction: str, path: str, optimizers: tuple[str, ...], use_jit: bool
+) -> dict[str, Run]:
+  """Runs the optimizers side by side, each on its own params and state.
+
+  Under jit they share one step, so one program serves all of them: it
+  compiles in about half the time of one program per optimizer.
+  """
+  transformations = {}
+  for name in optimizers:
+    inner = OPTIMIZERS[name]()
+    if path == "accumulate":
+      tx = ga_optax.accumulate(inner, EVERY_K)
+      transformations[name] = (tx.init, tx.update)
+    else:
+      fused = ga_optax.accumulate_and_apply(inner, EVERY_K)
+      transformations[name] = (
+        fused.init,
+        lambda grads, state, params, fused=fused, **kwargs: fused.apply(
+          params, grads, state, **kwargs
+        ),
+      )
+
+  def step(grads, states, params, weight):
+    results = {
+      name: call(grads, states[name], params[name], weight=weight)
+      for name, (_, call) in transformations.items()
+    }
+    return (
+      {name: output for name, (output, _) in results.items()},
+      {name: state for name, (_, state) in results.items()},
+    )
+
+  if use_jit:
+    step = jax.jit(step)
+  params = {name: _params(direction) for name in optimizers}
+  states = {
+    name: init(params[name]) for name, (init, _) in transformations.items()
+  }
+  runs = {name: Run(states[name], [], []) for name in optimizers}
+  for index, grads in enumerate(_grads_seq(direction)):
+    outputs, states = step(grads, states, params, WEIGHTS[index])
+    for name, run in runs.items():
+      run.outputs.append(outputs[name])
+      run.states.append(states[name])
+      params[name] = (
+        optax.apply_updates(params[name], outputs[name])
+        if path == "accumulate"
+        else outputs[name]
+      )
+  return runs
+
+
+def _check_run(direction: str, optimizer: str, path: str, run: Run) -> None:
+  """Checks one optimizer's run against its contract (module docstring)."""
+  params = _params(direction)
+  grads_seq = _grads_seq(direction)
+  inner = OPTIMIZERS[optimizer]()
+  expected_updates, expected_params = _reference(inner, params, grads_seq)
+  rtol = _tolerance(*DIRECTIONS[direction])
+  updates_like = jax.eval_shape(
+    lambda: inner.update(grads_seq[0], inner.init(params), params)[0]
+  )
+
+  state_avals = _avals(run.initial_state)
+  for index, (output, state) in enumerate(
+    zip(run.outputs, run.states, strict=True)
+  ):
+    assert _avals(state) == state_avals, f"call {index}"
+    window, position = divmod(index, EVERY_K)
+    closes = position == EVERY_K - 1
+    assert bool(ga_optax.emitted(state)) == closes
+    if path == "accumulate":
+      if closes:
+        _assert_close(output, expected_updates[window], rtol)
+      else:
+        chex.assert_trees_all_equal_shapes_and_dtypes(output, updates_like)
+        chex.assert_trees_all_equal(output, optax.tree.zeros_like(output))
+      params = optax.apply_updates(params, output)
+    else:
+      chex.assert_trees_all_equal_shapes_and_dtypes(output, params)
+      params = output
+    if closes:
+      _assert_close(params, expected_params[window], rtol)
+  assert int(ga_optax.applied_updates(run.states[-1])) == NUM_WINDOWS
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_under_jit_every_optimizer(direction, path):
+  # One test for the five optimizers: they share one compiled step, which
+  # pytest-xdist could not share between workers if they were five tests.
+  runs = _runs(direction, path, tuple(OPTIMIZERS), use_jit=True)
+  for optimizer, run in runs.items():
+    try:
+      _check_run(direction, optimizer, path, run)
+    except AssertionError as error:
+      raise AssertionError(f"optimizer {optimizer}: {error}") from error
+
+
+@pytest.mark.parametrize(("direction", "optimizer", "path"), _eager_cases())
+def test_eagerly(direction, optimizer, path):
+  run = _runs(direction, path, (optimizer,), use_jit=False)[optimizer]
+  _check_run(direction, optimizer, path, run)
+
+
+# Micro-batched gradients of low-precision params.
+
+NUM_MICROBATCHES = 4
+BATCH_SIZE = 16
+
+
+def _mean_loss(params, batch):
+  prediction = batch["x"] @ params["w"] + params["b"]
+  return jnp.mean((prediction - batch["y"]) ** 2)
+
+
+def _batch() -> dict[str, jax.Array]:
+  rng = np.random.default_rng(7)
+  return {
+    "x": jnp.asarray(rng.standard_normal((BATCH_SIZE, SHAPES["w"][0])), F32),
+    "y": jnp.asarray(rng.standard_normal((BATCH_SIZE, SHAPES["w"][1])), F32),
+  }
+
+
+@functools.cache
+def _microbatched():
+  # One function for all cases: its eager programs are cached by dtypes.
+  return ga_optax.microbatched_value_and_grad(_mean_loss, NUM_MICROBATCHES)
+
+
+@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize(
+  "param_dtypes",
+  [{"w": BF16, "b": BF16}, {"w": F16, "b": F16}, {"w": BF16, "b": F32}],
+  ids=["bf16", "f16", "bf16-and-f32"],
+)
+def test_microbatched_gradients_of_low_precision_params(param_dtypes, use_jit):
+  params = _leaves_like(param_dtypes, seed=0, scale=1.0)
+  batch = _batch()
+  value_and_grad = _microbatched()
+  if use_jit:
+    value_and_grad = jax.jit(value_and_grad)
+  value, grads = value_and_grad(params, batch)
+
+  # Each micro-batch's gradient in the params' dtypes, summed in float32 and
+  # rounded to those dtypes once. Micro-batch i is rows i, i + k, ...
+  per_microbatch = [
+    jax.value_and_grad(_mean_loss)(
+      params, jax.tree.map(lambda x, i=i: x[i::NUM_MICROBATCHES], batch)
+    )
+    for i in range(NUM_MICROBATCHES)
+  ]
+  expected_value = np.mean([np.float32(v) for v, _ in per_microbatch])
+  expected_grads = jax.tree.map(
+    lambda *grads: (
+      sum(grad.astype(F32) for grad in grads) / NUM_MICROBATCHES
+    ).astype(grads[0].dtype),
+    *[grads for _, grads in per_microbatch],
+  )
+  assert value.dtype == F32
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
+  rtol = _tolerance(param_dtypes)
+  _assert_close(grads, expected_grads, rtol)
+  _assert_close(value, jnp.asarray(expected_value), rtol)
+
+  # And the large batch's float32 gradient, within the params' precision.
+  params_f32 = jax.tree.map(lambda leaf: leaf.astype(F32), params)
+  full_value, full_grads = jax.value_and_grad(_mean_loss)(params_f32, batch)
+  _assert_close(
+    jax.tree.map(lambda leaf: leaf.astype(F32), grads), full_grads, 2 * rtol
+  )
+  _assert_close(value, full_value, 2 * rtol)

@@ -1,0 +1,290 @@
+"""Calls outside jit compile once per shapes and dtypes, and match jit.
+
+Users debug without ``jit`` and notebooks call ``update`` eagerly. A
+``lax.cond`` or ``lax.scan`` built from fresh closures on every call would
+compile a new program every time; the library compiles the whole call once
+instead. Compilations are counted with ``jax.monitoring``: JAX records one
+backend-compile event per program it compiles, from ``jit`` and from
+op-by-op dispatch alike.
+
+Op-by-op dispatch caches its small programs for the whole process, so what a
+first call compiles besides its own program depends on what ran before it.
+Each test therefore warms those caches with a twin transformation first;
+then a fresh transformation's first call compiles exactly one program (its
+own), and no later call with the same shapes and dtypes compiles anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ga_optax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+EVERY_K = 3
+NUM_CALLS = 6  # two windows: calls 3 and 6 close one
+# Weights of one dtype and varying values: none may recompile.
+WEIGHTS = (1.0, 2.5, 3.0, 4.0, 1.0, 0.5)
+
+
+@contextlib.contextmanager
+def compilations() -> Iterator[list[str]]:
+  """Collects the name of every program compiled inside the block."""
+  names: list[str] = []
+
+  def listener(event: str, duration: float, **kwargs: Any) -> None:
+    del duration
+    if event == BACKEND_COMPILE_EVENT:
+      names.append(kwargs.get("fun_name", "?"))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _compiles_per_call(calls: list[Callable[[], Any]]) -> list[list[str]]:
+  """Runs the calls in order; the programs each one compiled."""
+  per_call = []
+  for call in calls:
+    with compilations() as names:
+      jax.block_until_ready(call())
+    per_call.append(names)
+  return per_call
+
+
+def _params(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(0)
+  return {
+    "w": jnp.asarray(rng.standard_normal((8, 4)), dtype),
+    "b": jnp.zeros(4, dtype),
+  }
+
+
+def _grads(index: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(1 + index)
+  return {
+    "w": jnp.asarray(rng.standard_normal((8, 4)), dtype),
+    "b": jnp.asarray(rng.standard_normal(4), dtype),
+  }
+
+
+def _accumulate_run(update: Callable[..., Any], init: Callable[..., Any]):
+  """The per-call closures of a run of ``accumulate``, and its outputs."""
+  params = _params()
+  carry = {"state": init(params)}
+  outputs: list[Any] = []
+
+  def make_call(index: int) -> Callable[[], Any]:
+    def call() -> Any:
+      updates, carry["state"] = update(
+        _grads(index), carry["state"], params, weight=WEIGHTS[index]
+      )
+      outputs.append((updates, carry["state"]))
+      return outputs[-1]
+
+    return call
+
+  return [make_call(index) for index in range(NUM_CALLS)], outputs
+
+
+def _assert_same_results(eager: Any, jitted: Any) -> None:
+  chex.assert_tree_all_finite(eager)
+  chex.assert_trees_all_equal_shapes_and_dtypes(eager, jitted)
+  chex.assert_trees_all_close(eager, jitted, rtol=1e-6, atol=1e-7)
+
+
+def _run_twice(make: Callable[[], Any], run: Callable[..., Any]):
+  """Compilations per call of a fresh ``make()``, after a warm-up twin."""
+  warm_calls, _ = run(make())
+  _compiles_per_call(warm_calls)
+  calls, outputs = run(make())
+  return _compiles_per_call(calls), outputs
+
+
+def test_accumulate_update_compiles_once():
+  def make():
+    return ga_optax.accumulate(optax.adam(1e-2), EVERY_K)
+
+  def run(tx):
+    return _accumulate_run(tx.update, tx.init)
+
+  per_call, outputs = _run_twice(make, run)
+  assert len(per_call[0]) == 1, per_call
+  assert per_call[1:] == [[]] * (NUM_CALLS - 1), per_call
+  assert [bool(ga_optax.emitted(state)) for _, state in outputs] == [
+    False,
+    False,
+    True,
+  ] * 2
+
+  tx = make()
+  jitted_calls, jitted_outputs = _accumulate_run(jax.jit(tx.update), tx.init)
+  for call in jitted_calls:
+    call()
+  _assert_same_results(outputs, jitted_outputs)
+
+
+def test_each_kind_of_flush_compiles_one_program():
+  # A Python bool flush is static (the default False included): flush=True
+  # compiles its own program once. A boolean array is an argument: one
+  # program serves both of its values.
+  flushes = [False, True, False, True]
+  flushes += [jnp.asarray(False), jnp.asarray(True), jnp.asarray(False)]
+
+  def run(tx):
+    params = _params()
+    carry = {"state": tx.init(params)}
+    emitted = []
+
+    def make_call(index: int) -> Callable[[], Any]:
+      def call() -> Any:
+        updates, carry["state"] = tx.update(
+          _grads(index), carry["state"], params, flush=flushes[index]
+        )
+        emitted.append(bool(ga_optax.emitted(carry["state"])))
+        return updates
+
+      return call
+
+    return [make_call(index) for index in range(len(flushes))], emitted
+
+  per_call, emitted = _run_twice(
+    lambda: ga_optax.accumulate(optax.adam(1e-2), EVERY_K), run
+  )
+  assert [len(names) for names in per_call] == [1, 1, 0, 0, 1, 0, 0], per_call
+  assert emitted == [False, True, False, True, False, True, False]
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="the eager wrapper passes jnp.asarray(weight) with the weight's own"
+  " dtype and weak type, so a Python int, a Python float, a NumPy float32"
+  " and an int32 array weight each compile their own program; casting the"
+  " checked weight to the window's weight dtype would let them share one",
+)
+def test_weights_of_any_real_dtype_share_one_program():
+  weights = [1.0, 3, np.float32(2.0), np.int64(3), jnp.asarray(5, jnp.int32)]
+
+  def run(tx):
+    params = _params()
+    carry = {"state": tx.init(params)}
+
+    def make_call(index: int) -> Callable[[], Any]:
+      def call() -> Any:
+        updates, carry["state"] = tx.update(
+          _grads(index), carry["state"], params, weight=weights[index]
+        )
+        return updates
+
+      return call
+
+    return [make_call(index) for index in range(len(weights))], None
+
+  per_call, _ = _run_twice(
+    lambda: ga_optax.accumulate(optax.adam(1e-2), EVERY_K), run
+  )
+  assert [len(names) for names in per_call] == [1, 0, 0, 0, 0], per_call
+
+
+def test_accumulate_and_apply_compiles_once():
+  def make():
+    return ga_optax.accumulate_and_apply(optax.adam(1e-2), EVERY_K)
+
+  def run(fused):
+    def apply(grads, state, params, **kwargs):
+      return fused.apply(params, grads, state, **kwargs)
+
+    return _accumulate_run(apply, fused.init)
+
+  per_call, outputs = _run_twice(make, run)
+  assert len(per_call[0]) == 1, per_call
+  assert per_call[1:] == [[]] * (NUM_CALLS - 1), per_call
+
+  fused = make()
+  jitted_apply = jax.jit(fused.apply)
+  jitted_calls, jitted_outputs = _accumulate_run(
+    lambda grads, state, params, **kwargs: jitted_apply(
+      params, grads, state, **kwargs
+    ),
+    fused.init,
+  )
+  for call in jitted_calls:
+    call()
+  _assert_same_results(outputs, jitted_outputs)
+
+
+def _mean_loss(params, batch):
+  prediction = batch["x"] @ params["w"] + params["b"]
+  return jnp.mean((prediction - batch["y"]) ** 2)
+
+
+def _batch(index: int) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(100 + index)
+  return {
+    "x": jnp.asarray(rng.standard_normal((12, 8)), jnp.float32),
+    "y": jnp.asarray(rng.standard_normal((12, 4)), jnp.float32),
+  }
+
+
+def _microbatched_run(value_and_grad: Callable[..., Any]):
+  params = _params()
+  outputs: list[Any] = []
+
+  def make_call(index: int) -> Callable[[], Any]:
+    def call() -> Any:
+      outputs.append(value_and_grad(params, _batch(index)))
+      return outputs[-1]
+
+    return call
+
+  return [make_call(index) for index in range(NUM_CALLS)], outputs
+
+
+def test_microbatched_value_and_grad_compiles_once():
+  def make():
+    return ga_optax.microbatched_value_and_grad(
+      _mean_loss, 3, weight_fn=lambda microbatch: microbatch["x"].shape[0]
+    )
+
+  per_call, outputs = _run_twice(make, _microbatched_run)
+  assert len(per_call[0]) == 1, per_call
+  assert per_call[1:] == [[]] * (NUM_CALLS - 1), per_call
+
+  jitted_calls, jitted_outputs = _microbatched_run(jax.jit(make()))
+  for call in jitted_calls:
+    call()
+  _assert_same_results(outputs, jitted_outputs)
+  # And the eager result is the large batch's.
+  _assert_same_results(
+    outputs[0], jax.value_and_grad(_mean_loss)(_params(), _batch(0))
+  )
+
+
+def test_jitted_step_with_mixed_dtypes_compiles_once():
+  # float32 gradients of bfloat16 params: the state keeps its dtypes across
+  # window closes, so the jitted step is traced and compiled once.
+  tx = ga_optax.accumulate(optax.adamw(1e-2), EVERY_K)
+  params = _params(jnp.bfloat16)
+  step = jax.jit(tx.update)
+  state = tx.init(params)
+  per_call = []
+  for index in range(NUM_CALLS):
+    with compilations() as names:
+      updates, state = step(_grads(index), state, params, weight=1.0)
+      jax.block_until_ready(updates)
+    per_call.append(names)
+  assert len(per_call[0]) == 1, per_call
+  assert per_call[1:] == [[]] * (NUM_CALLS - 1), per_call
+  assert int(ga_optax.applied_updates(state)) == NUM_CALLS // EVERY_K

@@ -142,15 +142,6 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma():
   assert int(ga_optax.applied_updates(state)) == 2
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=KeyError,
-  reason="a batch sharded over an Explicit mesh axis (jax.make_mesh's"
-  " default) without jax.set_mesh: microbatched_value_and_grad reads the"
-  " batch axes from the batch's type, then looks their types up in the"
-  " (empty) current mesh and raises a bare KeyError: 'data', eagerly and"
-  " under jit, where jax.value_and_grad computes the gradient",
-)
 def test_explicitly_sharded_batch_without_set_mesh():
   mesh = _mesh()
   batch = _put(_batch(), mesh, P("data"))

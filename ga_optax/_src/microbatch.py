@@ -311,7 +311,16 @@ def _data_parallel_axes(
   over, to be summed over with a collective.
   """
   if axis_name is None:
-    return sharding.batch_axes(batch), ()
+    axes = sharding.batch_axes(batch)
+    missing = [axis for axis in axes if axis not in sharding.mesh_axis_types()]
+    if missing:
+      raise ValueError(
+        f"batch is sharded over mesh axes {axes!r}, but no mesh with"
+        f" {missing!r} is set: call the function under"
+        " jax.set_mesh(mesh) (or `with jax.set_mesh(mesh):`), so that each"
+        " device can work on its own rows."
+      )
+    return axes, ()
   named = sharding.as_axes(axis_name, "axis_name")
   in_mesh = sharding.mesh_axes(named)
   if not in_mesh:

@@ -30,6 +30,7 @@ from ga_optax._src import (
   distributed,
   dtypes,
   eager,
+  memory_kinds,
   precision,
   sharding,
   validation,
@@ -58,8 +59,10 @@ class AccumulateState(NamedTuple):
       closing call may reuse its buffer to carry the updates (see
       :func:`accumulate`). With ``unreduced_axes`` its leaves are
       ``unreduced`` over those mesh axes: each device holds its own partial
-      sum.
-    inner_state: the wrapped optimizer's state.
+      sum. With ``accumulator_memory_kind`` its leaves live in that memory
+      kind.
+    inner_state: the wrapped optimizer's state, in
+      ``inner_state_memory_kind`` when one is given.
   """
 
   micro_step: jax.Array
@@ -132,6 +135,10 @@ class Window(NamedTuple):
       window closes; empty for none.
     unreduced_axes: mesh axes the gradients and the accumulator are
       ``unreduced`` over; empty for none.
+    accumulator_memory_kind: the memory kind the accumulator is kept in
+      between calls (``"pinned_host"``, say); None leaves it where JAX puts
+      it.
+    inner_state_memory_kind: the same for the inner optimizer's state.
   """
 
   inner: optax.GradientTransformationExtraArgs
@@ -141,10 +148,22 @@ class Window(NamedTuple):
   skip_nonfinite: bool
   axis_name: sharding.Axes
   unreduced_axes: sharding.Axes
+  accumulator_memory_kind: str | None
+  inner_state_memory_kind: str | None
 
   @property
   def weight_dtype(self) -> jnp.dtype:
     return dtypes.weight_dtype(self.accumulator_dtype)
+
+  @property
+  def accumulator_home(self) -> str:
+    """The memory kind ``update`` leaves the accumulator in."""
+    return self.accumulator_memory_kind or "device"
+
+  @property
+  def inner_state_home(self) -> str:
+    """The memory kind ``update`` leaves the inner optimizer's state in."""
+    return self.inner_state_memory_kind or "device"
 
   @property
   def weights_are_global(self) -> bool:
@@ -166,14 +185,22 @@ class Window(NamedTuple):
     )
     if self.unreduced_axes:
       accumulator = sharding.cast_to_unreduced(accumulator, self.unreduced_axes)
+    inner_state = self.inner.init(params)
+    # The state's arrays that JAX has not placed (scalars such as Adam's
+    # count) follow the params' devices into the memory kind.
+    unplaced = memory_kinds.replicated_over(params)
     return AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       update_step=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
       emitted=jnp.zeros((), jnp.bool_),
       weight_sum=jnp.zeros((), self.weight_dtype),
-      accumulator=accumulator,
-      inner_state=self.inner.init(params),
+      accumulator=memory_kinds.put(
+        accumulator, self.accumulator_memory_kind, unplaced=unplaced
+      ),
+      inner_state=memory_kinds.put(
+        inner_state, self.inner_state_memory_kind, unplaced=unplaced
+      ),
     )
 
   def check_mesh(self) -> None:
@@ -189,6 +216,21 @@ class Window(NamedTuple):
         " pass unreduced_axes=... and gradients from"
         " ga_optax.unreduced_value_and_grad instead."
       )
+
+  def check_memory_kinds(self, state: AccumulateState) -> None:
+    """Checks that the state is in the memory kinds ``update`` leaves it in."""
+    memory_kinds.check_kept_in(
+      state.accumulator,
+      self.accumulator_home,
+      "accumulator",
+      "accumulator_memory_kind",
+    )
+    memory_kinds.check_kept_in(
+      state.inner_state,
+      self.inner_state_home,
+      "inner_state",
+      "inner_state_memory_kind",
+    )
 
   def admit(
     self, grads: optax.Updates, state: AccumulateState, weight: Any
@@ -230,7 +272,10 @@ class Window(NamedTuple):
     """The accumulator with ``weight * grads`` added, scaled by ``decision``.
 
     The first micro-step of a window overwrites the stale buffer: a select,
-    not a multiply, since a stale buffer may hold anything, NaN too.
+    not a multiply, since a stale buffer may hold anything, NaN too. An
+    accumulator kept in another memory kind is brought to the device leaf
+    by leaf, each once its gradient is there; the sum stays on the device
+    until the state is put back.
     """
     restarts = state.micro_step == 0
     weight = sharding.as_reduced(weight, self.unreduced_axes)
@@ -244,7 +289,8 @@ class Window(NamedTuple):
         added = jnp.where(admitted.accepted, added, total)
       return added * scale.astype(added.dtype) if scaled else added
 
-    return jax.tree.map(add_grad, state.accumulator, grads)
+    accumulator = memory_kinds.to_device_after(state.accumulator, grads)
+    return jax.tree.map(add_grad, accumulator, grads)
 
   def reduce(
     self,
@@ -286,6 +332,7 @@ class Window(NamedTuple):
     """One micro-step: the updates (or, fused, the new params) and state."""
     state = _check_state(state)
     self.check_mesh()
+    self.check_memory_kinds(state)
     validation.check_grads_match(grads, state.accumulator, self.unreduced_axes)
     weight = validation.check_weight(weight)
     flush = validation.check_flush(flush)
@@ -300,7 +347,7 @@ class Window(NamedTuple):
       closing.keep_open,
       params,
       accumulator,
-      state.inner_state,
+      memory_kinds.put(state.inner_state, self.inner_state_home),
     )
     new_state = AccumulateState(
       micro_step=jnp.where(decision.closes, 0, decision.micro_step),
@@ -312,7 +359,10 @@ class Window(NamedTuple):
         jnp.zeros_like(admitted.weight_sum),
         admitted.weight_sum,
       ),
-      accumulator=output if closing.carries_updates else accumulator,
+      accumulator=memory_kinds.put(
+        output if closing.carries_updates else accumulator,
+        self.accumulator_home,
+      ),
       inner_state=inner_state,
     )
     return closing.emitted_output(output, stepped), new_state
@@ -346,8 +396,9 @@ class Closing:
     def inner_updates(grads: Any) -> Any:
       if window.unreduced_axes:
         grads = sharding.reduce_unreduced(grads, self.params)
+      inner_state = memory_kinds.to_device(self.state.inner_state)
       return window.inner.update(
-        grads, self.state.inner_state, self.params, **self.extra_args
+        grads, inner_state, self.params, **self.extra_args
       )[0]
 
     return jax.eval_shape(inner_updates, self.grads)
@@ -387,12 +438,16 @@ class Closing:
     )
 
     def step_inner(params: Any, inner_state: Any) -> tuple[Any, Any, Any]:
+      # A state kept in host memory visits the device here, and only here.
+      inner_state = memory_kinds.to_device(inner_state)
       new_updates, new_inner_state = window.inner.update(
         reduced, inner_state, params, **self.extra_args
       )
       # Gradients wider than the params (float32 for bfloat16, say) would
       # widen the optimizer's state; it keeps its dtypes from call to call.
-      new_inner_state = _with_dtypes_of(new_inner_state, inner_state)
+      new_inner_state = memory_kinds.put(
+        _with_dtypes_of(new_inner_state, inner_state), window.inner_state_home
+      )
       if self.apply_to_params:
         new_updates = optax.apply_updates(params, new_updates)
       elif self.carries_updates:
@@ -502,6 +557,8 @@ def make_window(
   skip_nonfinite: Any,
   axis_name: Any,
   unreduced_axes: Any,
+  accumulator_memory_kind: Any = None,
+  inner_state_memory_kind: Any = None,
 ) -> Window:
   """Checks the arguments of :func:`accumulate`; returns its :class:`Window`."""
   if not isinstance(skip_nonfinite, bool):
@@ -531,6 +588,12 @@ def make_window(
     if axis_name is None
     else sharding.as_axes(axis_name, "axis_name"),
     unreduced_axes=unreduced,
+    accumulator_memory_kind=memory_kinds.check_memory_kind(
+      accumulator_memory_kind, "accumulator_memory_kind"
+    ),
+    inner_state_memory_kind=memory_kinds.check_memory_kind(
+      inner_state_memory_kind, "inner_state_memory_kind"
+    ),
   )
 
 
@@ -574,6 +637,8 @@ def accumulate(
   skip_nonfinite: bool = False,
   axis_name: Any = None,
   unreduced_axes: Any = None,
+  accumulator_memory_kind: str | None = None,
+  inner_state_memory_kind: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` micro-steps, then steps ``optimizer``.
 
@@ -642,6 +707,24 @@ def accumulate(
       the branch that closes the window. ``weight`` is then the
       micro-batch's global weight. Checkpoint such a state mid-window
       through :func:`ga_optax.stack_partial_sums`.
+    accumulator_memory_kind: a memory kind of the device to keep the
+      accumulator in between calls, for example ``"pinned_host"`` (host
+      memory), to free its bytes on the device; None (the default) leaves
+      it in device memory. ``init`` (eager or under ``jit``) and every
+      ``update`` leave its leaves there, each with its parameter's
+      sharding; a micro-step brings it to the device only to add the
+      gradient, and sends it back: it moves twice its bytes over the host
+      link per micro-step (see docs/how-to/host-memory.md). The numbers are
+      those of the accumulator in device memory, bit for bit. Works with
+      ``axis_name`` and with ``unreduced_axes``. The state passed to
+      ``update`` must be in the memory kinds that ``init`` gave it (restore
+      a checkpoint onto ``tx.init(params)``'s shardings): a state donated to
+      a jitted step in another memory kind would crash the process, so it
+      is refused. Place sharded params on their devices before ``init``;
+      the state's scalars follow them.
+    inner_state_memory_kind: the same for ``optimizer``'s state (Adam's
+      moments, say): it stays in that memory kind and visits the device
+      only in the call that closes a window.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -649,14 +732,16 @@ def accumulate(
 
   Raises:
     TypeError: ``optimizer`` is not a GradientTransformation, or
-      ``every_k``, ``accumulator_dtype``, ``axis_name`` or
-      ``unreduced_axes`` has a wrong type.
+      ``every_k``, ``accumulator_dtype``, ``axis_name``,
+      ``unreduced_axes`` or a memory kind has a wrong type.
     ValueError: ``every_k`` below 1, a bad ``every_k`` dict, an unknown
-      ``reduction``, or both ``axis_name`` and ``unreduced_axes``. ``init``
-      and ``update`` raise for axes that are not of the mesh kind their
-      argument needs; ``update`` raises for ``grads`` that do not match the
-      state (tree, shapes, dtypes, or unreduced axes) and for a bad
-      ``weight`` or ``flush``.
+      ``reduction``, both ``axis_name`` and ``unreduced_axes``, or a memory
+      kind the device does not offer (the message lists those it does) or
+      that ``jit`` cannot keep arrays in. ``init`` and ``update`` raise for
+      axes that are not of the mesh kind their argument needs; ``update``
+      raises for ``grads`` that do not match the state (tree, shapes,
+      dtypes, or unreduced axes), for a state in other memory kinds than
+      those it is kept in, and for a bad ``weight`` or ``flush``.
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
@@ -678,6 +763,8 @@ def accumulate(
     skip_nonfinite=skip_nonfinite,
     axis_name=axis_name,
     unreduced_axes=unreduced_axes,
+    accumulator_memory_kind=accumulator_memory_kind,
+    inner_state_memory_kind=inner_state_memory_kind,
   )
   step = compiled_step(window, apply_to_params=False)
 

@@ -61,6 +61,8 @@ def accumulate_and_apply(
   skip_nonfinite: bool = False,
   axis_name: Any = None,
   unreduced_axes: Any = None,
+  accumulator_memory_kind: str | None = None,
+  inner_state_memory_kind: str | None = None,
 ) -> FusedAccumulation:
   """Gradient accumulation that updates the params itself, in one call.
 
@@ -88,6 +90,12 @@ def accumulate_and_apply(
     axis_name: the data-parallel axis inside ``jax.shard_map`` or ``pmap``.
     unreduced_axes: under a plain ``jax.jit``, the Explicit mesh axes the
       gradients are unreduced over, as for :func:`ga_optax.accumulate`.
+    accumulator_memory_kind: a memory kind to keep the accumulator in
+      between calls, for example ``"pinned_host"``, as for
+      :func:`ga_optax.accumulate`: each call brings it to the device only to
+      add the gradient.
+    inner_state_memory_kind: a memory kind to keep ``optimizer``'s state
+      in; it visits the device only in the call that closes a window.
 
   Returns:
     A :class:`FusedAccumulation` ``(init, apply)``.
@@ -116,6 +124,8 @@ def accumulate_and_apply(
     skip_nonfinite=skip_nonfinite,
     axis_name=axis_name,
     unreduced_axes=unreduced_axes,
+    accumulator_memory_kind=accumulator_memory_kind,
+    inner_state_memory_kind=inner_state_memory_kind,
   )
   step = accumulate_lib.compiled_step(window, apply_to_params=True)
 

@@ -17,7 +17,7 @@ import jax
 import optax
 
 from ga_optax._src import accumulate as accumulate_lib
-from ga_optax._src import validation
+from ga_optax._src import memory_kinds, validation
 
 LossFn = Callable[..., Any]
 
@@ -83,6 +83,8 @@ def micro_step_bytes(
   *,
   optimizer: optax.GradientTransformation | None = None,
   has_aux: bool = False,
+  accumulator_memory_kind: str | None = None,
+  inner_state_memory_kind: str | None = None,
 ) -> int:
   """Device bytes one accumulation micro-step needs, from compilation alone.
 
@@ -91,7 +93,10 @@ def micro_step_bytes(
   ``optax.apply_updates``; without it, an add of the gradient into a float32
   accumulator. Params and state are donated, as in a training loop. The
   bytes are those of XLA's memory analysis: arguments, plus outputs that do
-  not reuse an argument's buffer, plus temporaries.
+  not reuse an argument's buffer, plus temporaries, in device memory only:
+  state kept in host memory (``accumulator_memory_kind``,
+  ``inner_state_memory_kind``) does not count, the device copy a micro-step
+  makes of it to compute on does.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a scalar (or
@@ -102,9 +107,19 @@ def micro_step_bytes(
     microbatch_size: the leading-axis size to compile for.
     optimizer: the optimizer that ``accumulate`` wraps, or None.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    accumulator_memory_kind: the memory kind the accumulator is kept in, as
+      for :func:`ga_optax.accumulate` (None: device memory).
+    inner_state_memory_kind: the memory kind ``optimizer``'s state is kept
+      in; needs an ``optimizer``.
 
   Returns:
     The number of bytes, an int.
+
+  Raises:
+    TypeError, ValueError: a bad size, batch or memory kind (as
+      :func:`ga_optax.accumulate` checks it), or ``inner_state_memory_kind``
+      without an ``optimizer``.
+    RuntimeError: the backend gives no compiled memory analysis.
 
   Example:
     >>> import jax.numpy as jnp, ga_optax
@@ -118,6 +133,15 @@ def micro_step_bytes(
   microbatch_size = validation.check_positive_int(
     microbatch_size, "microbatch_size"
   )
+  accumulator_kind = memory_kinds.check_memory_kind(
+    accumulator_memory_kind, "accumulator_memory_kind"
+  )
+  if optimizer is None and inner_state_memory_kind is not None:
+    raise ValueError(
+      f"inner_state_memory_kind={inner_state_memory_kind!r} places the state"
+      " of an optimizer, but no optimizer was given: pass optimizer=... or"
+      " leave inner_state_memory_kind at None."
+    )
   abstract_params = _abstract(params)
   batch = _batch_of_size(example_batch, microbatch_size)
   grad_fn = jax.grad(loss_fn, has_aux=has_aux)
@@ -130,42 +154,47 @@ def micro_step_bytes(
 
     def step(params, accumulator, batch):
       grads = gradient(params, batch)
-      return jax.tree.map(
+      accumulator = memory_kinds.to_device(accumulator)
+      accumulator = jax.tree.map(
         lambda total, g: total + g.astype(total.dtype), accumulator, grads
       )
+      return memory_kinds.put(accumulator, accumulator_kind)
 
-    state = jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jax.numpy.float32),
-      abstract_params,
+    state = memory_kinds.abstract_in(
+      jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jax.numpy.float32),
+        abstract_params,
+      ),
+      accumulator_kind,
     )
     donate: tuple[int, ...] = (1,)
   else:
     # k does not change what a micro-step holds; 2 keeps both branches.
-    tx = accumulate_lib.accumulate(optimizer, 2)
+    tx = accumulate_lib.accumulate(
+      optimizer,
+      2,
+      accumulator_memory_kind=accumulator_kind,
+      inner_state_memory_kind=inner_state_memory_kind,
+    )
 
     def step(params, state, batch):
       updates, state = tx.update(gradient(params, batch), state, params)
       return optax.apply_updates(params, updates), state
 
     state = jax.eval_shape(tx.init, abstract_params)
+    state = state._replace(
+      accumulator=memory_kinds.abstract_in(state.accumulator, accumulator_kind),
+      inner_state=memory_kinds.abstract_in(
+        state.inner_state, inner_state_memory_kind
+      ),
+    )
     donate = (0, 1)
   compiled = (
     jax.jit(step, donate_argnums=donate)
     .lower(abstract_params, state, batch)
     .compile()
   )
-  analysis = compiled.memory_analysis()
-  if analysis is None:
-    raise RuntimeError(
-      f"The {jax.default_backend()} backend gives no compiled memory"
-      " analysis, so micro_step_bytes cannot measure the micro-step."
-    )
-  return int(
-    analysis.argument_size_in_bytes
-    + analysis.output_size_in_bytes
-    - analysis.alias_size_in_bytes
-    + analysis.temp_size_in_bytes
-  )
+  return memory_kinds.device_bytes(compiled)
 
 
 def plan_microbatch(
@@ -178,6 +207,8 @@ def plan_microbatch(
   optimizer: optax.GradientTransformation | None = None,
   max_microbatch: int = 65536,
   has_aux: bool = False,
+  accumulator_memory_kind: str | None = None,
+  inner_state_memory_kind: str | None = None,
 ) -> MicrobatchPlan:
   """Finds the largest micro-batch that fits a memory budget, and its k.
 
@@ -190,7 +221,9 @@ def plan_microbatch(
   which does not fit, so the boundary can be checked.
 
   Leave headroom in the budget for what the analysis does not see: the
-  runtime's own allocations, fragmentation, and other live arrays.
+  runtime's own allocations, fragmentation, and other live arrays. State kept
+  in host memory (``accumulator_memory_kind``, ``inner_state_memory_kind``)
+  leaves the device, so a larger micro-batch fits the same budget.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a scalar (or
@@ -206,6 +239,11 @@ def plan_microbatch(
       alone.
     max_microbatch: the largest size tried when ``global_batch`` is None.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    accumulator_memory_kind: the memory kind ``ga_optax.accumulate`` will
+      keep the accumulator in (``"pinned_host"``, say); None for device
+      memory.
+    inner_state_memory_kind: the memory kind it will keep ``optimizer``'s
+      state in; needs an ``optimizer``.
 
   Returns:
     A :class:`MicrobatchPlan`.
@@ -213,7 +251,8 @@ def plan_microbatch(
   Raises:
     TypeError: a size or the budget is not an int.
     ValueError: a size or the budget is below 1, ``example_batch`` has no
-      common leading axis, or not even a micro-batch of 1 fits the budget.
+      common leading axis, not even a micro-batch of 1 fits the budget, or a
+      memory kind is not one the device offers.
 
   Example:
     >>> import jax.numpy as jnp, ga_optax
@@ -253,6 +292,8 @@ def plan_microbatch(
         size,
         optimizer=optimizer,
         has_aux=has_aux,
+        accumulator_memory_kind=accumulator_memory_kind,
+        inner_state_memory_kind=inner_state_memory_kind,
       )
     return measured[size]
 

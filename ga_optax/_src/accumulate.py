@@ -34,6 +34,7 @@ from ga_optax._src import (
   precision,
   sharding,
   validation,
+  zero,
 )
 from ga_optax._src import every_k as every_k_lib
 
@@ -135,6 +136,8 @@ class Window(NamedTuple):
       window closes; empty for none.
     unreduced_axes: mesh axes the gradients and the accumulator are
       ``unreduced`` over; empty for none.
+    inner_state_axes: how the inner state is sharded over mesh axes
+      (ZeRO-1); None to keep it as ``inner.init`` makes it.
     accumulator_memory_kind: the memory kind the accumulator is kept in
       between calls (``"pinned_host"``, say); None leaves it where JAX puts
       it.
@@ -148,6 +151,7 @@ class Window(NamedTuple):
   skip_nonfinite: bool
   axis_name: sharding.Axes
   unreduced_axes: sharding.Axes
+  inner_state_axes: zero.StatePlacement | None
   accumulator_memory_kind: str | None
   inner_state_memory_kind: str | None
 
@@ -185,7 +189,9 @@ class Window(NamedTuple):
     )
     if self.unreduced_axes:
       accumulator = sharding.cast_to_unreduced(accumulator, self.unreduced_axes)
-    inner_state = self.inner.init(params)
+    inner_state = zero.place(
+      self.inner, self.inner.init(params), params, self.inner_state_axes
+    )
     # The state's arrays that JAX has not placed (scalars such as Adam's
     # count) follow the params' devices into the memory kind.
     unplaced = memory_kinds.replicated_over(params)
@@ -207,6 +213,7 @@ class Window(NamedTuple):
     """Checks that the named axes are of the kind their argument needs."""
     if self.unreduced_axes:
       sharding.check_explicit(self.unreduced_axes, "unreduced_axes")
+    zero.check_mesh(self.inner_state_axes)
     misplaced = sharding.mesh_axes(self.axis_name)
     if misplaced:
       raise ValueError(
@@ -305,7 +312,8 @@ class Window(NamedTuple):
     ``unreduced_axes`` to the params' sharding.
     """
     if self.unreduced_axes:
-      return sharding.reduce_unreduced(accumulator, params), weight_sum
+      reduced = zero.reduce(accumulator, params, self.inner_state_axes)
+      return reduced, weight_sum
     accumulator, weight_sum = distributed.sum_across_devices(
       (accumulator, weight_sum), self.axis_name or None
     )
@@ -397,8 +405,13 @@ class Closing:
       if window.unreduced_axes:
         grads = sharding.reduce_unreduced(grads, self.params)
       inner_state = memory_kinds.to_device(self.state.inner_state)
-      return window.inner.update(
-        grads, inner_state, self.params, **self.extra_args
+      return zero.update(
+        window.inner,
+        window.inner_state_axes,
+        grads,
+        inner_state,
+        self.params,
+        **self.extra_args,
       )[0]
 
     return jax.eval_shape(inner_updates, self.grads)
@@ -440,8 +453,13 @@ class Closing:
     def step_inner(params: Any, inner_state: Any) -> tuple[Any, Any, Any]:
       # A state kept in host memory visits the device here, and only here.
       inner_state = memory_kinds.to_device(inner_state)
-      new_updates, new_inner_state = window.inner.update(
-        reduced, inner_state, params, **self.extra_args
+      new_updates, new_inner_state = zero.update(
+        window.inner,
+        window.inner_state_axes,
+        reduced,
+        inner_state,
+        params,
+        **self.extra_args,
       )
       # Gradients wider than the params (float32 for bfloat16, say) would
       # widen the optimizer's state; it keeps its dtypes from call to call.
@@ -559,6 +577,7 @@ def make_window(
   unreduced_axes: Any,
   accumulator_memory_kind: Any = None,
   inner_state_memory_kind: Any = None,
+  inner_state_axes: Any = None,
 ) -> Window:
   """Checks the arguments of :func:`accumulate`; returns its :class:`Window`."""
   if not isinstance(skip_nonfinite, bool):
@@ -594,6 +613,7 @@ def make_window(
     inner_state_memory_kind=memory_kinds.check_memory_kind(
       inner_state_memory_kind, "inner_state_memory_kind"
     ),
+    inner_state_axes=zero.check_inner_state_axes(inner_state_axes, unreduced),
   )
 
 
@@ -639,6 +659,7 @@ def accumulate(
   unreduced_axes: Any = None,
   accumulator_memory_kind: str | None = None,
   inner_state_memory_kind: str | None = None,
+  inner_state_axes: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` micro-steps, then steps ``optimizer``.
 
@@ -725,6 +746,18 @@ def accumulate(
     inner_state_memory_kind: the same for ``optimizer``'s state (Adam's
       moments, say): it stays in that memory kind and visits the device
       only in the call that closes a window.
+    inner_state_axes: with ``unreduced_axes``, mesh axes to shard
+      ``optimizer``'s state over (ZeRO stage 1): ``init`` puts each state
+      leaf sharded over them along its first dimension that no mesh axis
+      shards yet and whose size their device count divides (as it is when
+      none does); the closing call reduce-scatters the accumulator onto
+      that sharding, steps ``optimizer`` on the slices and all-gathers the
+      updates to each parameter's sharding. State memory and update
+      arithmetic per device are divided by the axes' device count, for the
+      traffic of one all-reduce. ``update`` then needs ``params``. A tree
+      of ``PartitionSpec`` shaped like the params overrides the rule for
+      each parameter's gradient and the state leaves that mirror it (see
+      docs/how-to/sharded-optimizer-state.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -735,7 +768,8 @@ def accumulate(
       ``every_k``, ``accumulator_dtype``, ``axis_name``,
       ``unreduced_axes`` or a memory kind has a wrong type.
     ValueError: ``every_k`` below 1, a bad ``every_k`` dict, an unknown
-      ``reduction``, both ``axis_name`` and ``unreduced_axes``, or a memory
+      ``reduction``, both ``axis_name`` and ``unreduced_axes``,
+      ``inner_state_axes`` without ``unreduced_axes``, or a memory
       kind the device does not offer (the message lists those it does) or
       that ``jit`` cannot keep arrays in. ``init`` and ``update`` raise for
       axes that are not of the mesh kind their argument needs; ``update``
@@ -765,6 +799,7 @@ def accumulate(
     unreduced_axes=unreduced_axes,
     accumulator_memory_kind=accumulator_memory_kind,
     inner_state_memory_kind=inner_state_memory_kind,
+    inner_state_axes=inner_state_axes,
   )
   step = compiled_step(window, apply_to_params=False)
 

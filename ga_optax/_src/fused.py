@@ -63,6 +63,7 @@ def accumulate_and_apply(
   unreduced_axes: Any = None,
   accumulator_memory_kind: str | None = None,
   inner_state_memory_kind: str | None = None,
+  inner_state_axes: Any = None,
 ) -> FusedAccumulation:
   """Gradient accumulation that updates the params itself, in one call.
 
@@ -96,6 +97,9 @@ def accumulate_and_apply(
       add the gradient.
     inner_state_memory_kind: a memory kind to keep ``optimizer``'s state
       in; it visits the device only in the call that closes a window.
+    inner_state_axes: with ``unreduced_axes``, the mesh axes (or a tree of
+      specs) to shard ``optimizer``'s state over, as for
+      :func:`ga_optax.accumulate`.
 
   Returns:
     A :class:`FusedAccumulation` ``(init, apply)``.
@@ -126,6 +130,7 @@ def accumulate_and_apply(
     unreduced_axes=unreduced_axes,
     accumulator_memory_kind=accumulator_memory_kind,
     inner_state_memory_kind=inner_state_memory_kind,
+    inner_state_axes=inner_state_axes,
   )
   step = accumulate_lib.compiled_step(window, apply_to_params=True)
 

@@ -240,8 +240,7 @@ def shard_map_runs(
       "deferred, across steps",
       "shard_map + accumulate(axis_name)",
       k,
-      # axis_name names an axis only inside a shard_map: init there too.
-      jax.jit(jax.shard_map(tx.init, in_specs=P(), out_specs=P())),
+      tx.init,
       jax.jit(
         # Between closes each device's accumulator holds its own partial
         # sum, so the state is not replicated: the type check must be off.

@@ -564,6 +564,58 @@ def check_shard_map_consolidate() -> None:
   print("shard_map: consolidated on 8 devices, resumed on 2")
 
 
+def check_shard_map_check_vma() -> None:
+  """accumulate(axis_name=...) in a shard_map with check_vma=True."""
+  k = 4
+  params = init_params()
+  batches = [make_batch(64, seed=60 + i) for i in range(2 * k)]
+  inner = optax.adam(1e-2)
+  expected = large_batch_run(inner, params, [batches[:k], batches[k:]])
+  tx = ga_optax.accumulate(inner, k, axis_name="data")
+  mesh = jax.make_mesh((8,), ("data",))
+
+  def device_step(params, state, batch):
+    # Unvarying params: autodiff sums each gradient over the devices, and
+    # the window must not sum it again.
+    grads = jax.grad(mean_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(
+    jax.shard_map(
+      device_step,
+      mesh=mesh,
+      in_specs=(P(), P(), P("data")),
+      out_specs=(P(), P()),
+    )
+  )
+  state = tx.init(params)
+  current = params
+  for batch in batches:
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    current, state = step(current, state, batch)
+  chex.assert_trees_all_close(current, expected, **TOLERANCE)
+
+  def local_step(params, state, batch):
+    local = jax.lax.pcast(params, "data", to="varying")
+    return tx.update(jax.grad(mean_loss)(local, batch), state, params)
+
+  try:
+    jax.jit(
+      jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(P(), P(), P("data")),
+        out_specs=(P(), P()),
+      )
+    )(params, tx.init(params), batch)
+  except ValueError as error:
+    assert "check_vma=False" in str(error), error
+  else:
+    raise AssertionError("varying grads under check_vma=True were accepted")
+  print("shard_map with check_vma=True: summed once; varying grads refused")
+
+
 def check_clear_errors() -> None:
   """Mismatched sharding types are named errors, never ShardingTypeError."""
   params = init_params()
@@ -615,6 +667,7 @@ CHECKS = {
   "boundary_resume": check_boundary_resume_on_other_devices,
   "shard_map_consolidate": check_shard_map_consolidate,
   "errors": check_clear_errors,
+  "check_vma": check_shard_map_check_vma,
 }
 
 

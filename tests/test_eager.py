@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import ga_optax
 
@@ -167,13 +166,6 @@ def test_each_kind_of_flush_compiles_one_program():
   assert emitted == [False, True, False, True, False, True, False]
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the eager wrapper passes jnp.asarray(weight) with the weight's own"
-  " dtype and weak type, so a Python int, a Python float, a NumPy float32"
-  " and an int32 array weight each compile their own program; casting the"
-  " checked weight to the window's weight dtype would let them share one",
-)
 def test_weights_of_any_real_dtype_share_one_program():
   weights = [1.0, 3, np.float32(2.0), np.int64(3), jnp.asarray(5, jnp.int32)]
 

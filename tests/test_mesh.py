@@ -22,7 +22,7 @@ CASES = Path(__file__).resolve().parent / "mesh_cases.py"
     # checks; each group prints one line per check it passed.
     ("microbatched_explicit", "flax"),
     ("microbatched_auto", "microbatched_options"),
-    ("accumulate_unreduced", "errors"),
+    ("accumulate_unreduced", "errors", "check_vma"),
     ("checkpoints", "shard_map_consolidate", "boundary_resume"),
   ],
   ids=lambda groups: "+".join(groups),

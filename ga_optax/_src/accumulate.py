@@ -210,10 +210,22 @@ class Window(NamedTuple):
     )
 
   def check_mesh(self) -> None:
-    """Checks that the named axes are of the kind their argument needs."""
+    """Checks that the named mesh axes are of the kind their argument needs."""
     if self.unreduced_axes:
       sharding.check_explicit(self.unreduced_axes, "unreduced_axes")
     zero.check_mesh(self.inner_state_axes)
+
+  def check_axis_name(self, grads: optax.Updates, weight: Any) -> None:
+    """Checks that ``axis_name`` is bound here and how the grads vary.
+
+    ``init`` needs no bound axis (it may run outside ``shard_map``); each
+    micro-step does. Inside a ``shard_map`` that tracks variance
+    (``check_vma=True``), gradients of parameters that do not vary over the
+    axes arrive already summed over them by autodiff; the window then adds
+    them as they are and only sums the weights. Gradients or weights that
+    vary would leave a per-device accumulator in a state typed as the same
+    on every device, which that ``shard_map`` refuses.
+    """
     misplaced = sharding.mesh_axes(self.axis_name)
     if misplaced:
       raise ValueError(
@@ -223,6 +235,25 @@ class Window(NamedTuple):
         " pass unreduced_axes=... and gradients from"
         " ga_optax.unreduced_value_and_grad instead."
       )
+    if not self.summed_by_autodiff:
+      return
+    names = set(self.axis_name)
+    for name, tree in (("grads", grads), ("weight", weight)):
+      if any(names & sharding.varying_axes(x) for x in jax.tree.leaves(tree)):
+        raise ValueError(
+          f"{name} vary over axis_name {self.axis_name!r} inside a"
+          " jax.shard_map with check_vma=True: a per-device accumulator"
+          " cannot live in a state that shard_map checks to be the same on"
+          " every device. Run the step in jax.shard_map(...,"
+          " check_vma=False) to accumulate on each device and reduce once"
+          " per window, or pass gradients of unvarying params (autodiff"
+          " then sums them over the devices on every micro-step)."
+        )
+
+  @property
+  def summed_by_autodiff(self) -> bool:
+    """Whether gradients over ``axis_name`` come summed (``check_vma=True``)."""
+    return bool(self.axis_name) and sharding.tracks_variance(self.axis_name)
 
   def check_memory_kinds(self, state: AccumulateState) -> None:
     """Checks that the state is in the memory kinds ``update`` leaves it in."""
@@ -314,9 +345,14 @@ class Window(NamedTuple):
     if self.unreduced_axes:
       reduced = zero.reduce(accumulator, params, self.inner_state_axes)
       return reduced, weight_sum
-    accumulator, weight_sum = distributed.sum_across_devices(
-      (accumulator, weight_sum), self.axis_name or None
-    )
+    if self.summed_by_autodiff:
+      # Each gradient is already the sum over the devices: only the
+      # weights, the same on every device, are summed (times D).
+      weight_sum = jax.lax.psum(weight_sum, self.axis_name)
+    else:
+      accumulator, weight_sum = distributed.sum_across_devices(
+        (accumulator, weight_sum), self.axis_name or None
+      )
     if not self.weights_are_global and self.reduction == "mean":
       # The guard keeps a window without weight from computing 0 / 0; such
       # a window does not step the inner optimizer anyway.
@@ -343,6 +379,7 @@ class Window(NamedTuple):
     self.check_memory_kinds(state)
     validation.check_grads_match(grads, state.accumulator, self.unreduced_axes)
     weight = validation.check_weight(weight)
+    self.check_axis_name(grads, weight)
     flush = validation.check_flush(flush)
 
     admitted = self.admit(grads, state, weight)
@@ -640,7 +677,9 @@ def compiled_step(
     extra_args: dict[str, Any],
   ) -> tuple[Any, AccumulateState]:
     if not eager.is_traced((grads, state, params, weight, flush, extra_args)):
-      weight = jnp.asarray(validation.check_weight(weight))
+      # In the window's weight dtype: a Python int, a NumPy float and an
+      # int32 array weight then share one compiled program.
+      weight = jnp.asarray(validation.check_weight(weight), window.weight_dtype)
     return step(
       grads, state, params, weight=weight, flush=flush, extra_args=extra_args
     )

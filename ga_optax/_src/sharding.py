@@ -306,6 +306,18 @@ def varying_axes(leaf: Any) -> frozenset[str]:
   return frozenset(getattr(manual_axis_type, "varying", ()))
 
 
+def tracks_variance(axes: Axes) -> bool:
+  """Whether values carry their variance over ``axes`` in their types.
+
+  True inside a ``jax.shard_map`` with ``check_vma=True`` (the default)
+  that is manual over ``axes``; False with ``check_vma=False`` and under
+  ``pmap``. When True, a gradient of a parameter that does not vary over
+  the axes has already been summed over them by autodiff.
+  """
+  manual = shard_map_axes(axes)
+  return bool(manual) and bool(varying_axes(jax.lax.axis_index(manual)))
+
+
 def cast_to_varying(tree: Any, axes: Axes) -> Any:
   """Marks every leaf as varying over ``axes`` (free: no data moves).
 

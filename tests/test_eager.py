@@ -267,16 +267,25 @@ def test_microbatched_value_and_grad_compiles_once():
 def test_jitted_step_with_mixed_dtypes_compiles_once():
   # float32 gradients of bfloat16 params: the state keeps its dtypes across
   # window closes, so the jitted step is traced and compiled once.
-  tx = ga_optax.accumulate(optax.adamw(1e-2), EVERY_K)
-  params = _params(jnp.bfloat16)
-  step = jax.jit(tx.update)
-  state = tx.init(params)
-  per_call = []
-  for index in range(NUM_CALLS):
-    with compilations() as names:
-      updates, state = step(_grads(index), state, params, weight=1.0)
-      jax.block_until_ready(updates)
-    per_call.append(names)
+  def run(tx):
+    params = _params(jnp.bfloat16)
+    step = jax.jit(tx.update)
+    carry = {"state": tx.init(params)}
+
+    def make_call(index: int) -> Callable[[], Any]:
+      grads = _grads(index)
+
+      def call() -> Any:
+        updates, carry["state"] = step(grads, carry["state"], params)
+        return updates
+
+      return call
+
+    return [make_call(index) for index in range(NUM_CALLS)], carry
+
+  per_call, carry = _run_twice(
+    lambda: ga_optax.accumulate(optax.adamw(1e-2), EVERY_K), run
+  )
   assert len(per_call[0]) == 1, per_call
   assert per_call[1:] == [[]] * (NUM_CALLS - 1), per_call
-  assert int(ga_optax.applied_updates(state)) == NUM_CALLS // EVERY_K
+  assert int(ga_optax.applied_updates(carry["state"])) == NUM_CALLS // EVERY_K

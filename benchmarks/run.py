@@ -286,7 +286,7 @@ def _figures(workload_name: str, record: dict[str, Any]) -> list[dict]:
 def _environment(command: str) -> dict[str, Any]:
   device = jax.devices()[0]
   return {
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+    "date": datetime.datetime.now(datetime.UTC).isoformat(
       timespec="seconds"
     ),
     "machine": {

@@ -643,8 +643,13 @@ def check_clear_errors() -> None:
       ga_optax.accumulate(optax.sgd(0.1), 4, unreduced_axes="model").init,
       params,
     )
+    # axis_name is for steps inside shard_map: init may run outside it,
+    # a micro-step under a plain jit may not.
     shard_map_tx = ga_optax.accumulate(optax.sgd(0.1), 4, axis_name="data")
-    expect(ValueError, "axis_name", jax.jit(shard_map_tx.init), params)
+    outside = shard_map_tx.init(params)
+    expect(
+      ValueError, "axis_name", jax.jit(shard_map_tx.update), replicated, outside
+    )
   with jax.set_mesh(auto):
     expect(ValueError, "Explicit", tx.init, params)
     expect(

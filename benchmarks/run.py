@@ -286,9 +286,7 @@ def _figures(workload_name: str, record: dict[str, Any]) -> list[dict]:
 def _environment(command: str) -> dict[str, Any]:
   device = jax.devices()[0]
   return {
-    "date": datetime.datetime.now(datetime.UTC).isoformat(
-      timespec="seconds"
-    ),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "machine": {
       "platform": platform.platform(),
       "processor": platform.processor() or platform.machine(),

@@ -307,3 +307,20 @@ def test_complex_params_microbatched_equal_value_and_grad(use_jit):
   assert float(jnp.max(jnp.abs(expected_grads.imag))) > 0.1
   _assert_close(grads, expected_grads)
   _assert_close(value, expected_value)
+
+
+@pytest.mark.parametrize(
+  "combine", [ga_optax.consolidate, ga_optax.split_total]
+)
+def test_partial_sum_helpers_refuse_a_shard_map_that_checks_variance(combine):
+  # With check_vma=True the window holds gradients already summed over the
+  # devices: combining them as partial sums would scale them wrongly.
+  tx = ga_optax.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  params = jnp.zeros(3)
+
+  def step(state):
+    return combine(state, axis_name="data")
+
+  mapped = jax.shard_map(step, mesh=_mesh(), in_specs=P(), out_specs=P())
+  with pytest.raises(ValueError, match="check_vma=False"):
+    jax.jit(mapped)(tx.init(params))

@@ -146,7 +146,7 @@ def consolidate(tree: Any, axis_name: Any = None) -> Any:
       ),
       tree,
     )
-  axes = sharding.as_axes(axis_name, "axis_name")
+  axes = _untracked_axes(axis_name, "consolidate")
 
   def total(state: accumulate_lib.AccumulateState) -> Any:
     accumulator, weight_sum = jax.lax.psum(
@@ -190,7 +190,7 @@ def split_total(tree: Any, like: Any = None, axis_name: Any = None) -> Any:
       tree,
       like,
     )
-  axes = sharding.as_axes(axis_name, "axis_name")
+  axes = _untracked_axes(axis_name, "split_total")
   first = jax.lax.axis_index(axes) == 0
 
   def keep_on_first(state: accumulate_lib.AccumulateState) -> Any:
@@ -201,6 +201,24 @@ def split_total(tree: Any, like: Any = None, axis_name: Any = None) -> Any:
     return state._replace(accumulator=accumulator, weight_sum=weight_sum)
 
   return _map_states(keep_on_first, tree)
+
+
+def _untracked_axes(axis_name: Any, caller: str) -> sharding.Axes:
+  """``axis_name`` as a tuple, inside a ``shard_map`` with ``check_vma=False``.
+
+  With ``check_vma=True`` the window holds gradients autodiff has already
+  summed over the devices, the same on every device: there are no partial
+  sums to combine, and a total from one device count would be scaled
+  wrongly on another.
+  """
+  axes = sharding.as_axes(axis_name, "axis_name")
+  if sharding.tracks_variance(axes):
+    raise ValueError(
+      f"{caller} combines per-device partial sums, which a jax.shard_map"
+      " with check_vma=True does not keep (its gradients arrive summed over"
+      f" {axes!r}); run the step with check_vma=False."
+    )
+  return axes
 
 
 def _placed_unreduced(stacked: jax.Array, twin: Any) -> jax.Array:

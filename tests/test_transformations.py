@@ -10,10 +10,6 @@ runs, even when the models' windows are out of phase.
 from __future__ import annotations
 
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 from typing import Any
 
 import chex
@@ -164,7 +160,7 @@ def _pmap_run(num_devices: int) -> None:
   flushed where the data-parallel window closes. Raises AssertionError on
   any difference.
   """
-  assert jax.local_device_count() == num_devices, jax.devices()
+  assert jax.local_device_count() >= num_devices, jax.devices()
   tx = ga_optax.accumulate(
     optax.adam(0.05), 3, skip_nonfinite=True, axis_name="data"
   )
@@ -174,7 +170,10 @@ def _pmap_run(num_devices: int) -> None:
     for index in range(NUM_MICRO_STEPS)
   ]
   step = jax.pmap(
-    lambda *args: _step(tx, *args), axis_name="data", in_axes=(0, 0, 0, 0, None)
+    lambda *args: _step(tx, *args),
+    axis_name="data",
+    in_axes=(0, 0, 0, 0, None),
+    devices=jax.local_devices()[:num_devices],
   )
   replicated = _stack([params] * num_devices)
   state = _stack([tx.init(params)] * num_devices)
@@ -220,24 +219,4 @@ def test_pmap_over_one_device_matches_the_unbatched_run():
 
 
 def test_pmap_over_two_devices_matches_the_unbatched_run():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-    env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-  )
-  env["JAX_PLATFORMS"] = "cpu"
-  tests_dir = pathlib.Path(__file__).parent
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH")])
-  )
-  completed = subprocess.run(
-    [
-      sys.executable,
-      "-c",
-      "import test_transformations; test_transformations._pmap_run(2)",
-    ],
-    capture_output=True,
-    text=True,
-    env=env,
-    check=False,
-  )
-  assert completed.returncode == 0, completed.stderr[-4000:]
+  _pmap_run(2)

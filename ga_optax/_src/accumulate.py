@@ -390,9 +390,11 @@ class Window(NamedTuple):
       decision.steps,
       functools.partial(closing.close, weight_sum=admitted.weight_sum),
       closing.keep_open,
-      params,
-      accumulator,
-      memory_kinds.put(state.inner_state, self.inner_state_home),
+      closing.operands(
+        accumulator,
+        memory_kinds.put(state.inner_state, self.inner_state_home),
+        predicate=decision.steps,
+      ),
     )
     new_state = AccumulateState(
       micro_step=jnp.where(decision.closes, 0, decision.micro_step),
@@ -405,7 +407,7 @@ class Window(NamedTuple):
         admitted.weight_sum,
       ),
       accumulator=memory_kinds.put(
-        output if closing.carries_updates else accumulator,
+        output if closing.carrier == "accumulator" else accumulator,
         self.accumulator_home,
       ),
       inner_state=inner_state,
@@ -453,43 +455,82 @@ class Closing:
 
     return jax.eval_shape(inner_updates, self.grads)
 
-  @property
-  def carries_updates(self) -> bool:
-    """Whether the updates ride in the accumulator's buffer.
+  @functools.cached_property
+  def carrier(self) -> str:
+    """The operand the open branch hands back where the closing one has output.
 
-    They do when every leaf converts to the accumulator's dtype and back
-    exactly (bfloat16 updates in a float32 accumulator do) and the
-    accumulator is an ordinary array (not unreduced); otherwise the open
-    branch writes zeros.
+    ``"params"`` on the fused path. Else ``"accumulator"`` when every
+    updates leaf converts to the accumulator's dtype and back exactly
+    (bfloat16 updates in a float32 accumulator do) and the accumulator is
+    an ordinary array (not unreduced): the updates then ride in its buffer,
+    which the window no longer needs once the optimizer has read it. Else
+    ``"grads"`` when the updates fit the gradients so (their buffer is dead
+    once added). Else ``"zeros"``, made outside the conditional.
     """
-    if self.apply_to_params or self.window.unreduced_axes:
-      return False
-    return _fits_exactly(self.updates_like, self.state.accumulator)
-
-  def keep_open(
-    self, params: Any, accumulator: Any, inner_state: Any
-  ) -> tuple[Any, Any, jax.Array]:
-    """The open branch: everything handed back untouched."""
     if self.apply_to_params:
-      return params, inner_state, jnp.asarray(False)
-    if self.carries_updates:
-      return accumulator, inner_state, jnp.asarray(False)
-    zeros = optax.tree.zeros_like(self.updates_like)
-    return zeros, inner_state, jnp.asarray(False)
+      return "params"
+    if self.window.unreduced_axes:
+      return "zeros"
+    if _fits_exactly(self.updates_like, self.state.accumulator):
+      return "accumulator"
+    if _fits_exactly(self.updates_like, self.grads):
+      return "grads"
+    return "zeros"
+
+  def operands(
+    self, accumulator: Any, inner_state: Any, *, predicate: jax.Array
+  ) -> dict[str, Any]:
+    """What the conditional takes: all that either branch reads or returns.
+
+    XLA:GPU turns a conditional whose two branches hold only cheap
+    (elementwise) ops into selects that run both branches, which would run
+    the optimizer on every micro-step. It keeps a conditional one of whose
+    branches only forwards its operands, so everything the open branch
+    returns is an operand made outside it: its ``False`` flag is the
+    predicate itself (a constant would be folded into the branch), and its
+    output is an operand of the updates' type (see :attr:`carrier`).
+    """
+    operands = {
+      "params": self.params,
+      "accumulator": accumulator,
+      "inner_state": inner_state,
+      "not_stepped": predicate,
+    }
+    if self.carrier == "grads":
+      operands["grads"] = self.grads
+    if self.carrier == "zeros":
+      operands["zeros"] = optax.tree.zeros_like(self.updates_like)
+    return operands
+
+  def keep_open(self, operands: dict[str, Any]) -> tuple[Any, Any, jax.Array]:
+    """The open branch: operands handed back untouched, and nothing else."""
+    return (
+      operands[self.carrier],
+      operands["inner_state"],
+      operands["not_stepped"],
+    )
 
   def close(
-    self, params: Any, accumulator: Any, inner_state: Any, *, weight_sum: Any
+    self, operands: dict[str, Any], *, weight_sum: Any
   ) -> tuple[Any, Any, jax.Array]:
     """The closing branch: reduce, normalise, step the optimizer once."""
     window = self.window
-    accumulator, total_weight = window.reduce(accumulator, weight_sum, params)
+    accumulator, total_weight = window.reduce(
+      operands["accumulator"], weight_sum, operands["params"]
+    )
     reduced = jax.tree.map(
       lambda total, grad: total.astype(grad.dtype), accumulator, self.grads
     )
+    if self.carrier == "zeros":
+      # XLA folds zeros handed to a conditional into the branch that returns
+      # them, which then no longer only forwards its operands. A barrier is
+      # an op XLA:GPU does not inline into selects: the conditional stays.
+      reduced = jax.lax.optimization_barrier(reduced)
 
-    def step_inner(params: Any, inner_state: Any) -> tuple[Any, Any, Any]:
+    def step_inner(operands: dict[str, Any]) -> tuple[Any, Any, jax.Array]:
+      params = operands["params"]
       # A state kept in host memory visits the device here, and only here.
-      inner_state = memory_kinds.to_device(inner_state)
+      inner_state = memory_kinds.to_device(operands["inner_state"])
       new_updates, new_inner_state = zero.update(
         window.inner,
         window.inner_state_axes,
@@ -505,31 +546,30 @@ class Closing:
       )
       if self.apply_to_params:
         new_updates = optax.apply_updates(params, new_updates)
-      elif self.carries_updates:
+      elif self.carrier == "accumulator":
         new_updates = jax.tree.map(
           lambda update, slot: update.astype(slot.dtype),
           new_updates,
-          accumulator,
+          operands["accumulator"],
         )
       return new_updates, new_inner_state, jnp.asarray(True)
 
     if window.weights_are_global:
-      return step_inner(params, inner_state)
-    # Only here is the window's total weight known: a nested conditional
-    # (with its own output buffers) keeps an empty window from stepping.
+      return step_inner(operands)
+    # Only here is the window's total weight known: a nested conditional,
+    # whose open branch also only forwards operands, keeps an empty window
+    # from stepping.
+    has_weight = total_weight > 0
     return jax.lax.cond(
-      total_weight > 0,
+      has_weight,
       step_inner,
-      lambda params, inner_state: self.keep_open(
-        params, accumulator, inner_state
-      ),
-      params,
-      inner_state,
+      self.keep_open,
+      {**operands, "accumulator": accumulator, "not_stepped": has_weight},
     )
 
   def emitted_output(self, output: Any, stepped: jax.Array) -> Any:
     """The conditional's output as the caller sees it: zeros until a step."""
-    if not self.carries_updates:
+    if self.carrier not in ("accumulator", "grads"):
       return output
     return jax.tree.map(
       lambda carried, like: jnp.where(
@@ -824,9 +864,9 @@ def accumulate(
     >>> updates, state = tx.update({"w": jnp.full(3, 1.0)}, state, params)
     >>> updates["w"], bool(ga_optax.emitted(state))
     (Array([0., 0., 0.], dtype=float32), False)
-    >>> updates, state = tx.update({"w": jnp.full(3, 3.0)}, state, params)
+    >>> updates, state = tx.update({"w": jnp.full(3, 4.0)}, state, params)
     >>> updates["w"], bool(ga_optax.emitted(state))
-    (Array([-0.2, -0.2, -0.2], dtype=float32), True)
+    (Array([-0.25, -0.25, -0.25], dtype=float32), True)
   """
   window = make_window(
     optimizer,

@@ -15,6 +15,10 @@ closes a window, :func:`loop_collectives` finds those inside a loop over
 micro-batches, and :func:`dot_shapes` gives the per-device operand shapes of
 its matrix products; :func:`parse_hlo`, :func:`reachable` and
 :func:`collectives_in_hlo` are the pieces they are built from.
+
+On a GPU it is only worth having if the optimizer does not run on every
+micro-step: :func:`gpu_conditional_audit` compiles a lowered step as XLA:GPU
+would treat its conditionals, on any backend, and counts those that survive.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ import optax
 
 from ga_optax._src import validation
 from ga_optax._src.accumulate import accumulate
+from ga_optax._src.gpu_conditionals import (
+  ConditionalAudit,
+  EmulationUnavailable,
+  gpu_conditional_audit,
+)
 from ga_optax._src.hlo import (
   Collective,
   HloInstruction,
@@ -44,6 +53,8 @@ from ga_optax._src.hlo import (
 
 __all__ = [
   "Collective",
+  "ConditionalAudit",
+  "EmulationUnavailable",
   "EquivalenceResult",
   "HloInstruction",
   "HloModule",
@@ -52,6 +63,7 @@ __all__ = [
   "collectives_in_hlo",
   "compare_with_large_batch",
   "dot_shapes",
+  "gpu_conditional_audit",
   "loop_collectives",
   "max_relative_difference",
   "parse_hlo",

@@ -116,9 +116,9 @@ def accumulate_and_apply(
     >>> params, state = fused.apply(params, {"w": jnp.full(3, 1.0)}, state)
     >>> params["w"]
     Array([1., 1., 1.], dtype=float32)
-    >>> params, state = fused.apply(params, {"w": jnp.full(3, 3.0)}, state)
+    >>> params, state = fused.apply(params, {"w": jnp.full(3, 4.0)}, state)
     >>> params["w"], bool(ga_optax.emitted(state))
-    (Array([0.8, 0.8, 0.8], dtype=float32), True)
+    (Array([0.75, 0.75, 0.75], dtype=float32), True)
   """
   window = accumulate_lib.make_window(
     optimizer,

@@ -13,6 +13,12 @@ each direction and each optimizer the contract is the same:
 * the numbers are the wrapped optimizer's, applied once per window to the
   window's weighted mean gradient (formed in float32, then cast to the
   gradients' dtype), with its state kept in its own dtypes.
+
+Every comparison can fail: the windows hold unequal total weights and plain
+SGD runs beside the scale-free optimizers (Adam, Lion and clipping hide a
+wrong gradient scale), each window's step is compared with a tolerance below
+the step itself (so a step not taken fails), and the "formed in float32"
+claim has windows whose sum a bfloat16 or float16 accumulator cannot hold.
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
 EVERY_K = 2
 NUM_WINDOWS = 2
-# Their sum is 4, so the mean's 1/4 is exact: the accumulated mean and the
-# reference's are the same float32 numbers before the cast to the grads'
-# dtype, and the comparison below measures the optimizer alone.
-WEIGHTS = (1.0, 3.0) * NUM_WINDOWS
+# The windows weigh 4 and 8, unequal (a mean normalised by the wrong weight
+# shows) and powers of two, so the mean's 1/4 and 1/8 are exact: the
+# accumulated mean and the reference's are the same float32 numbers before
+# the cast to the grads' dtype, and the comparison measures the optimizer.
+WEIGHTS = (1.0, 3.0, 2.0, 6.0)
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 
@@ -50,13 +57,18 @@ DIRECTIONS = {
 }
 
 OPTIMIZERS = {
+  # Plain SGD: its step is proportional to the gradient, so a wrong scale
+  # shows; the others below all but ignore a constant factor.
+  "sgd": lambda: optax.sgd(1e-2),
   # The schedule moves on every applied update, so a stray inner step shows.
   "adam-schedule": lambda: optax.adam(
     optax.exponential_decay(1e-2, transition_steps=1, decay_rate=0.5)
   ),
   "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
   "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-  "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
+  # Lion's step is the learning rate per element: 1e-2 keeps it above a
+  # bfloat16 parameter's rounding (see _params).
+  "lion": lambda: optax.lion(1e-2, weight_decay=0.1),
   "clip-adamw": lambda: optax.chain(
     optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1)
   ),
@@ -68,11 +80,13 @@ PATHS = ("accumulate", "accumulate_and_apply")
 def _eager_cases() -> list[Any]:
   """Every direction on both paths, and every optimizer at least once.
 
-  Direction ``d`` on path ``p`` takes optimizer ``2 * d + p`` (modulo their
-  number). Each eager run compiles its own program (see test_eager.py), so
-  the eager runs are this sample of the matrix, not all of it.
+  Direction ``d`` on path ``p`` takes optimizer ``2 * d + p`` (modulo the
+  number of optimizers other than plain SGD, which runs beside each of them:
+  see test_eagerly). Each eager run compiles its own program (see
+  test_eager.py), so the eager runs are this sample of the matrix, not all
+  of it.
   """
-  optimizers = list(OPTIMIZERS)
+  optimizers = [name for name in OPTIMIZERS if name != "sgd"]
   return [
     pytest.param(direction, optimizers[(2 * d + p) % len(optimizers)], path)
     for d, direction in enumerate(DIRECTIONS)
@@ -100,7 +114,10 @@ def _leaves_like(dtypes: dict[str, Any], seed: int, scale: float) -> Any:
 
 
 def _params(direction: str) -> Any:
-  return _leaves_like(DIRECTIONS[direction][0], seed=0, scale=1.0)
+  # Small params: a bfloat16 parameter below 0.25 rounds to steps of at most
+  # 2**-9, five times below the smallest step an optimizer here takes, so a
+  # step the accumulation fails to take cannot hide in the rounding.
+  return _leaves_like(DIRECTIONS[direction][0], seed=0, scale=0.1)
 
 
 def _grads_seq(direction: str) -> list[Any]:
@@ -124,6 +141,44 @@ def _assert_close(actual: Any, expected: Any, rtol: float) -> None:
   chex.assert_trees_all_close(
     as_f32(actual), as_f32(expected), rtol=rtol, atol=rtol * 1e-2
   )
+
+
+def _assert_step_close(
+  before: Any,
+  after: Any,
+  expected_before: Any,
+  expected_after: Any,
+  rtol: float,
+) -> None:
+  """The params moved by the reference's step, within a tolerance below it.
+
+  Compared in float32, leaf by leaf: ``|step - expected step| <= rtol *
+  max|expected step| + ulp``, where ``ulp`` is the spacing of the params'
+  dtype at their largest magnitude (one rounding of the updated params).
+  The expected step must be at least twice that tolerance, so that params
+  that did not move (an update never applied) fail.
+  """
+  as_f32 = functools.partial(jax.tree.map, lambda leaf: leaf.astype(F32))
+  step = jax.tree.map(jnp.subtract, as_f32(after), as_f32(before))
+  expected_step = jax.tree.map(
+    jnp.subtract, as_f32(expected_after), as_f32(expected_before)
+  )
+  for path, got, want, param in zip(
+    jax.tree_util.tree_leaves_with_path(step),
+    jax.tree.leaves(step),
+    jax.tree.leaves(expected_step),
+    jax.tree.leaves(before),
+    strict=True,
+  ):
+    chex.assert_tree_all_finite((got, want))
+    largest = float(jnp.max(jnp.abs(want)))
+    ulp = float(jnp.spacing(jnp.max(jnp.abs(param))))
+    tolerance = rtol * largest + ulp
+    assert largest > 2 * tolerance, (
+      f"{path[0]}: the reference's step {largest:.3g} is within the"
+      f" tolerance {tolerance:.3g}: a missing step would pass"
+    )
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance)
 
 
 def _avals(tree: Any) -> Any:
@@ -242,6 +297,7 @@ def _check_run(direction: str, optimizer: str, path: str, run: Run) -> None:
     window, position = divmod(index, EVERY_K)
     closes = position == EVERY_K - 1
     assert bool(ga_optax.emitted(state)) == closes
+    before = params
     if path == "accumulate":
       if closes:
         _assert_close(output, expected_updates[window], rtol)
@@ -254,6 +310,12 @@ def _check_run(direction: str, optimizer: str, path: str, run: Run) -> None:
       params = output
     if closes:
       _assert_close(params, expected_params[window], rtol)
+      expected_before = (
+        expected_params[window - 1] if window else _params(direction)
+      )
+      _assert_step_close(
+        before, params, expected_before, expected_params[window], rtol
+      )
   assert int(ga_optax.applied_updates(run.states[-1])) == NUM_WINDOWS
 
 
@@ -272,8 +334,14 @@ def test_under_jit_every_optimizer(direction, path):
 
 @pytest.mark.parametrize(("direction", "optimizer", "path"), _eager_cases())
 def test_eagerly(direction, optimizer, path):
-  run = _runs(direction, path, (optimizer,), use_jit=False)[optimizer]
-  _check_run(direction, optimizer, path, run)
+  # Plain SGD beside each sampled optimizer: every eager case would see a
+  # wrong gradient scale.
+  runs = _runs(direction, path, (optimizer, "sgd"), use_jit=False)
+  for name, run in runs.items():
+    try:
+      _check_run(direction, name, path, run)
+    except AssertionError as error:
+      raise AssertionError(f"optimizer {name}: {error}") from error
 
 
 # Micro-batched gradients of low-precision params.
@@ -343,3 +411,79 @@ def test_microbatched_gradients_of_low_precision_params(param_dtypes, use_jit):
     jax.tree.map(lambda leaf: leaf.astype(F32), grads), full_grads, 2 * rtol
   )
   _assert_close(value, full_value, 2 * rtol)
+
+
+# The window's sum is formed in float32, whatever the gradients' dtype.
+
+# One large gradient and 31 small ones: each small one is half a spacing of
+# the large one in the gradients' dtype, so a sum kept in that dtype rounds
+# every one of them away (to even), while float32 holds them all. The mean
+# is then off by 12% in bfloat16 and 1.5% in float16, a different number in
+# that dtype: the comparisons are exact.
+SUM_WINDOW = 32
+LARGE = {BF16: 256.0, F16: 2048.0}
+
+
+def _sum_window_grads(dtype: Any) -> list[jax.Array]:
+  return [
+    jnp.full((3,), LARGE[dtype] if i == 0 else 1.0, dtype)
+    for i in range(SUM_WINDOW)
+  ]
+
+
+def _sum_window_mean(dtype: Any) -> jax.Array:
+  """The window's mean, exact in float64, rounded once to ``dtype``."""
+  exact = np.full((3,), (LARGE[dtype] + SUM_WINDOW - 1) / SUM_WINDOW)
+  rounded_away = np.full((3,), LARGE[dtype] / SUM_WINDOW)
+  # What a sum kept in ``dtype`` would give is another number in ``dtype``.
+  assert not np.array_equal(exact.astype(dtype), rounded_away.astype(dtype))
+  return jnp.asarray(exact.astype(dtype))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_the_window_sum_of_low_precision_gradients_is_kept_in_float32(
+  dtype, path
+):
+  params = {"w": jnp.zeros(3, F32)}
+  if path == "accumulate":
+    tx = ga_optax.accumulate(optax.sgd(1.0), SUM_WINDOW)
+
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    init = tx.init
+  else:
+    fused = ga_optax.accumulate_and_apply(optax.sgd(1.0), SUM_WINDOW)
+
+    def step(params, state, grads):
+      return fused.apply(params, grads, state)
+
+    init = fused.init
+  step = jax.jit(step)
+  state = init(params)
+  for grads in _sum_window_grads(dtype):
+    params, state = step(params, state, {"w": grads})
+  assert int(ga_optax.applied_updates(state)) == 1
+  # SGD at learning rate 1 moves the params by minus the mean, as the inner
+  # optimizer received it: formed in float32, then cast to the gradients'
+  # dtype once.
+  expected = -_sum_window_mean(dtype).astype(F32)
+  chex.assert_trees_all_equal(params, {"w": expected})
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_microbatched_gradients_of_low_precision_params_are_summed_in_float32(
+  dtype,
+):
+  # The gradient of a micro-batch of one row g with respect to a parameter
+  # of the row's dtype is g itself, in that dtype.
+  def loss(params, batch):
+    return jnp.mean(batch["g"] @ params["w"])
+
+  rows = jnp.stack(_sum_window_grads(dtype)).astype(F32)
+  params = {"w": jnp.zeros(3, dtype)}
+  value_and_grad = ga_optax.microbatched_value_and_grad(loss, SUM_WINDOW)
+  _, grads = jax.jit(value_and_grad)(params, {"g": rows})
+  chex.assert_trees_all_equal(grads, {"w": _sum_window_mean(dtype)})

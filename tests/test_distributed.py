@@ -1,79 +1,29 @@
-"""Data-parallel accumulation on 8 simulated CPU devices.
+"""The data-parallel how-to page, run on 8 devices as a reader would run it.
 
-The checks live in tests/multi_device_cases.py and run in a fresh process
-each, because this process imported jax with a single device and the device
-count is fixed at import.
+The page's code blocks run in order as one script, in this process (every
+test process sees 8 simulated CPU devices), and what each ``print`` shows
+is checked. The numbers of each multi-device path against the large batch
+are tested in tests/test_shard_map.py and tests/test_plain_jit_mesh.py.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+import jax
 
-ROOT = Path(__file__).resolve().parent.parent
-CASES = Path(__file__).resolve().parent / "multi_device_cases.py"
-
-
-def run_on_8_devices(*args: str, timeout: float = 300) -> str:
-  """Runs a Python script on 8 simulated CPU devices; returns its stdout."""
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = " ".join(
-    filter(
-      None,
-      [
-        env.get("XLA_FLAGS", ""),
-        "--xla_force_host_platform_device_count=8",
-      ],
-    )
-  )
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
-  )
-  result = subprocess.run(
-    [sys.executable, *args],
-    env=env,
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=False,
-  )
-  assert result.returncode == 0, (
-    f"{' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
-  )
-  return result.stdout
+PAGE = Path(__file__).resolve().parent.parent / "docs/how-to/data-parallel.md"
 
 
-@pytest.mark.parametrize(
-  "case",
-  [
-    "shard_map",
-    "token_weights",
-    "pmap",
-    "hlo_accumulate",
-    "sharded_state",
-  ],
-)
-def test_multi_device_case(case):
-  run_on_8_devices(str(CASES), case)
-
-
-def test_microbatched_value_and_grad_reduces_after_the_scan():
-  run_on_8_devices(str(CASES), "hlo_microbatched")
-
-
-def test_data_parallel_how_to_runs(tmp_path):
-  """The page's code blocks, run in order as one script, as a reader would."""
-  page = (ROOT / "docs" / "how-to" / "data-parallel.md").read_text()
-  script = tmp_path / "data_parallel_page.py"
-  script.write_text("\n".join(re.findall(r"```python\n(.*?)```", page, re.S)))
-  output = run_on_8_devices(str(script))
+def test_data_parallel_how_to_runs(capsys, monkeypatch, tmp_path):
+  source = "\n".join(re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S))
+  monkeypatch.chdir(tmp_path)
+  # The page sets its mesh with a global jax.set_mesh; the enclosing
+  # context puts back this process's own (none) when the page is done.
+  with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+    exec(compile(source, str(PAGE), "exec"), {"__name__": "__main__"})
+  output = capsys.readouterr().out
   assert output.split() == [
     "float32[64@data,16]",  # the batch, sharded over "data"
     "True",  # microbatched loss == large-batch loss
@@ -88,3 +38,4 @@ def test_data_parallel_how_to_runs(tmp_path):
     "[8]",  # bytes all-reduced on every call
     "[2436]",  # bytes all-reduced when the window closes
   ], output
+  assert jax.sharding.get_abstract_mesh().empty

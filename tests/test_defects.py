@@ -101,45 +101,67 @@ def test_microbatched_axis_name_inside_shard_map(check_vma):
   _assert_close(sharded(params, batch), without_shard_map)
 
 
-def _accumulating_step(tx):
-  def step(params, state, x, y):
+# Windows of micro-batches of unequal size (weight = rows), the second closed
+# by a flush: a wrong gradient scale moves plain SGD somewhere else.
+_WINDOW_ROWS = ((8, 16), (24,), (16, 8))
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
+  # With check_vma=True the gradients of unvarying params arrive summed over
+  # the devices by autodiff; the window must sum only the weights.
+  mesh = jax.make_mesh(
+    (num_devices,), ("data",), devices=jax.devices()[:num_devices]
+  )
+  optimizer = optax.sgd(0.5)
+  tx = ga_optax.accumulate(optimizer, 2, axis_name="data")
+
+  def step(params, state, x, y, flush):
     grads = jax.grad(_mean_loss)(params, {"x": x, "y": y})
-    updates, state = tx.update(grads, state, params)
+    # Each device's rows: the same number on every device.
+    updates, state = tx.update(
+      grads, state, params, weight=x.shape[0], flush=flush
+    )
     return optax.apply_updates(params, updates), state
 
-  return step
-
-
-def test_accumulate_axis_name_inside_shard_map_with_check_vma():
-  mesh = _mesh()
-  sharded_tx = ga_optax.accumulate(optax.adam(0.1), 2, axis_name="data")
   sharded_step = jax.jit(
     jax.shard_map(
-      _accumulating_step(sharded_tx),
+      step,
       mesh=mesh,
-      in_specs=(P(), P(), P("data"), P("data")),
+      in_specs=(P(), P(), P("data"), P("data"), P()),
       out_specs=(P(), P()),
       check_vma=True,
     )
   )
-  tx = ga_optax.accumulate(optax.adam(0.1), 2)
-  step = jax.jit(_accumulating_step(tx))
-
   params = _put(_params(), mesh, P())
-  state = _put(sharded_tx.init(_params()), mesh, P())
-  expected_params, expected_state = _params(), tx.init(_params())
-  for call in range(4):
-    batch = _batch(seed=10 + call)
-    params, state = sharded_step(
-      params, state, *_put((batch["x"], batch["y"]), mesh, P("data"))
+  state = _put(tx.init(_params()), mesh, P())
+  expected, expected_state = _params(), optimizer.init(_params())
+  rng = np.random.default_rng(7)
+  for window in _WINDOW_ROWS:
+    batches = [
+      {
+        "x": jnp.asarray(rng.standard_normal((rows, 3)), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((rows, 2)), jnp.float32),
+      }
+      for rows in window
+    ]
+    for index, batch in enumerate(batches):
+      closes = index == len(window) - 1
+      params, state = sharded_step(
+        params,
+        state,
+        *_put((batch["x"], batch["y"]), mesh, P("data")),
+        jnp.bool_(closes and len(window) < 2),
+      )
+      assert bool(ga_optax.emitted(state)) == closes
+    # The reference: the gradient of the window's mean loss, bare SGD.
+    whole = jax.tree.map(lambda *rows: jnp.concatenate(rows), *batches)
+    updates, expected_state = optimizer.update(
+      jax.grad(_mean_loss)(expected, whole), expected_state
     )
-    expected_params, expected_state = step(
-      expected_params, expected_state, batch["x"], batch["y"]
-    )
-    assert bool(ga_optax.emitted(state)) == (call % 2 == 1)
-  _assert_close(params, expected_params)
-  _assert_close(state.inner_state, expected_state.inner_state)
-  assert int(ga_optax.applied_updates(state)) == 2
+    expected = optax.apply_updates(expected, updates)
+  _assert_close(params, expected)
+  assert int(ga_optax.applied_updates(state)) == len(_WINDOW_ROWS)
 
 
 def test_explicitly_sharded_batch_without_set_mesh():

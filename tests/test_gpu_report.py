@@ -1,0 +1,160 @@
+"""The GPU run book runs anywhere: its smoke mode on the CPU, labelled as such.
+
+One ``--quick`` run of ``benchmarks/gpu_report.py`` in this process (module
+fixture) feeds every check: the files it writes, the fields of its JSON, the
+conditional counts of its matrix against their emulated counts, and the
+label that keeps a CPU figure from passing for a GPU figure. Timings are
+only checked to be there, never compared.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_gpu_report() -> ModuleType:
+  spec = importlib.util.spec_from_file_location(
+    "gpu_report", REPO_ROOT / "benchmarks" / "gpu_report.py"
+  )
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def gpu_report() -> ModuleType:
+  return load_gpu_report()
+
+
+@pytest.fixture(scope="module")
+def written(gpu_report, tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+  output_dir = tmp_path_factory.mktemp("gpu_report")
+  returned = gpu_report.main(["--quick", "--output-dir", str(output_dir)])
+  assert returned is not None
+  return output_dir, json.loads((output_dir / "gpu_report.json").read_text())
+
+
+def test_writes_markdown_and_json(written):
+  output_dir, report = written
+  assert (output_dir / "gpu_report.md").is_file()
+  assert (output_dir / "gpu_report.json").is_file()
+  assert set(report) >= {
+    "environment",
+    "conditionals",
+    "step_time",
+    "in_step",
+    "memory",
+  }
+
+
+def test_a_cpu_run_says_it_is_no_gpu_run(written):
+  output_dir, report = written
+  assert jax.devices()[0].platform == "cpu"
+  environment = report["environment"]
+  assert environment["backend"] == "cpu"
+  assert environment["gpu"] is False
+  assert "no GPU" in environment["label"]
+  assert "none of these figures is a GPU figure" in environment["label"]
+  markdown = (output_dir / "gpu_report.md").read_text()
+  assert environment["label"] in markdown.splitlines()[2]
+  for section in ("Conditionals", "Step time", "In-step window", "Memory"):
+    assert f"{section}" in markdown
+  assert "on cpu" in markdown and "on gpu" not in markdown.lower()
+
+
+def test_records_device_versions_flags_machine_and_date(written):
+  output_dir, report = written
+  environment = report["environment"]
+  assert environment["device"]["kind"] == jax.devices()[0].device_kind
+  assert environment["versions"]["jax"] == jax.__version__
+  assert environment["versions"]["jaxlib"]
+  assert "xla_flags" in environment
+  assert "environment_variables" in environment
+  assert environment["date"][:2] == "20"
+  assert environment["machine"]["cpu_count"] >= 1
+  host_name = platform.node()
+  if len(host_name) >= 8:  # a short name could occur anywhere by chance
+    assert host_name not in (output_dir / "gpu_report.json").read_text()
+
+
+def test_every_conditional_of_the_matrix_survives_as_emulated(written):
+  matrix = written[1]["conditionals"]["matrix"]
+  assert len(matrix) == 12  # the CPU offers "pinned_host": nothing skipped
+  for name, record in matrix.items():
+    assert record["compiled"] >= 1, name
+    assert record["compiled"] == record["emulated"], (name, record)
+    assert record["confined"], (name, record)
+
+
+def test_the_controls_are_flagged(written):
+  controls = written[1]["conditionals"]["controls"]
+  multi_steps = controls["optax.MultiSteps(adam): no conditional"]
+  assert multi_steps["compiled"] == 0
+  assert not multi_steps["confined"]
+  assert sum(multi_steps["characteristic_outside"].values()) > 0
+  for name in (
+    "lax.cond(closes, adam step, zeros)",
+    "lax.cond(closes, sgd momentum step, zeros)",
+  ):
+    assert controls[name]["compiled"] == 1, name
+    assert controls[name]["emulated"] == 0, name
+
+
+def test_step_time_has_ratios_to_plain_adam_and_multi_steps(written):
+  for record in written[1]["step_time"].values():
+    assert set(record["ratios"]) == {
+      "plain Adam step",
+      "optax.MultiSteps",
+      "ga_optax.accumulate",
+      "ga_optax.accumulate_and_apply",
+    }
+    for ratios in record["ratios"].values():
+      for value in ratios.values():
+        assert math.isfinite(value) and value > 0
+
+
+def test_in_step_windows_compute_the_full_batch_gradient(written):
+  for record in written[1]["in_step"].values():
+    assert record["optax_microbatching"] == "measured"
+    assert set(record["windows"]) == {
+      "ga_optax.microbatched_value_and_grad",
+      "hand-written lax.scan",
+      "optax.microbatching.microbatch",
+    }
+    for window in record["windows"].values():
+      difference = window["max_relative_difference_to_full_batch"]
+      assert math.isfinite(difference) and difference < 1e-5
+      assert math.isfinite(window["median_ms"])
+
+
+def test_memory_over_k_and_the_largest_batches_that_fit(written):
+  memory = written[1]["memory"]
+  assert "no memory_stats()" in memory["peaks"]
+  assert "nominal" in memory["budget_source"]
+  ks = memory["model"]["ks"]
+  assert [row["every_k"] for row in memory["by_k"]] == ks
+  assert ks[0] == 1 and ks[-1] == 32
+  for row in memory["by_k"]:
+    for kind in ("plain", "accumulate", "accumulate_host", "window"):
+      assert row[kind]["device_bytes"] > 0, (row["every_k"], kind)
+      assert "peak_bytes_in_use" not in row[kind]
+    # The accumulate micro-step holds an accumulator the plain step lacks.
+    assert row["accumulate"]["device_bytes"] > row["plain"]["device_bytes"]
+  budget = memory["budget_bytes"]
+  for name, found in memory["largest"].items():
+    assert found["bytes"] <= budget < found["next_bytes"], name
+    assert found["next_rows"] > found["rows"] > 0, name

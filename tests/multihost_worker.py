@@ -1,62 +1,97 @@
 """One process of a multi-process data-parallel run, on this machine.
 
-tests/test_multihost.py starts ``NUM_PROCESSES`` of these, each with
-``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (two CPU devices per
-process) and a coordinator on 127.0.0.1::
+tests/test_multihost.py starts ``NUM_PROCESSES`` of these, each with two CPU
+devices (``XLA_FLAGS=--xla_force_host_platform_device_count=2``) and a
+coordinator on 127.0.0.1::
 
-  python tests/multihost_worker.py PROCESS_ID PORT OUTPUT.npz
+  python tests/multihost_worker.py MODE PROCESS_ID PORT OUTPUT.npz
 
-Each process feeds only its own devices' micro-batches, accumulates device-
-locally, and all processes reduce once per window over gloo (JAX's CPU
-collectives). Each writes the parameters it ends with to ``OUTPUT.npz``.
+Every process feeds only its own devices' rows of each micro-batch (the
+token-weighted windows of tests/token_windows.py, one closed by a flush),
+accumulates without a collective, and all processes reduce once per window
+over gloo (JAX's CPU collectives). ``MODE`` is the way the step is written:
+
+* ``shard_map``: ``accumulate(..., axis_name="data")`` inside
+  ``jax.shard_map`` over every process's devices;
+* ``plain_jit``: a mesh of Explicit axes over every process's devices set
+  with ``jax.set_mesh``, ``unreduced_value_and_grad`` and
+  ``accumulate(..., unreduced_axes="data")`` under a plain ``jax.jit``.
+
+Each writes the parameters it ends with to ``OUTPUT.npz``. Failures raise
+(never ``assert``, which ``python -O`` would drop).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 2
-MICROBATCH = 3  # per device
-NUM_MICRO_STEPS = 2
-NUM_WINDOWS = 3
-WINDOW = NUM_PROCESSES * DEVICES_PER_PROCESS * MICROBATCH * NUM_MICRO_STEPS
-OPTIMIZER = optax.adam(0.05)
+DEVICES = NUM_PROCESSES * DEVICES_PER_PROCESS
+ROWS = 3  # per device and micro-step
+EVERY_K = 3
+# The second window is closed by a flush after 2 micro-steps.
+LENGTHS = (3, 2, 3)
+SEED = 7
+MODES = ("shard_map", "plain_jit")
 
 
-def initial_params() -> dict[str, np.ndarray]:
-  rng = np.random.default_rng(0)
-  return {
-    "hidden": rng.normal(size=(4, 6)).astype(np.float32) / 2,
-    "out": rng.normal(size=(6, 1)).astype(np.float32) / 2,
-  }
+def local_rows(batch: dict[str, np.ndarray], process_id: int) -> Any:
+  """This process's devices' rows: global device d holds rows d*ROWS..."""
+  per_process = DEVICES_PER_PROCESS * ROWS
+  rows = slice(process_id * per_process, (process_id + 1) * per_process)
+  return {name: leaf[rows] for name, leaf in batch.items()}
 
 
-def windows() -> tuple[np.ndarray, np.ndarray]:
-  """Inputs and targets, shaped (NUM_WINDOWS, WINDOW, features)."""
-  rng = np.random.default_rng(1)
-  x = rng.normal(size=(NUM_WINDOWS, WINDOW, 4)).astype(np.float32)
-  y = rng.normal(size=(NUM_WINDOWS, WINDOW, 1)).astype(np.float32)
-  return x, y
+def shard_map_step(tx: Any, mesh: Any) -> Any:
+  from jax.sharding import PartitionSpec as P
+  from token_windows import token_mean_loss, tokens
+
+  def device_step(params, state, batch, flush):
+    grads = jax.grad(token_mean_loss)(params, batch)
+    updates, state = tx.update(
+      grads, state, params, weight=tokens(batch), flush=flush
+    )
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(
+    jax.shard_map(
+      device_step,
+      mesh=mesh,
+      in_specs=(P(), P(), P("data"), P()),
+      out_specs=(P(), P()),
+      check_vma=False,
+    )
+  )
 
 
-def loss_fn(params, x, y):
-  prediction = jnp.tanh(x @ params["hidden"]) @ params["out"]
-  return jnp.mean((prediction - y) ** 2)
+def plain_jit_step(tx: Any) -> Any:
+  from token_windows import token_mean_loss, tokens
+
+  import ga_optax
+
+  value_and_grad = ga_optax.unreduced_value_and_grad(
+    token_mean_loss, weight_fn=tokens
+  )
+
+  def step(params, state, batch, flush):
+    _, grads = value_and_grad(params, batch)
+    updates, state = tx.update(
+      grads, state, params, weight=tokens(batch), flush=flush
+    )
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step)
 
 
-def micro_step_rows(micro_step: int, device: int) -> slice:
-  """Rows of a window that global ``device`` sees at ``micro_step``."""
-  start = (device * NUM_MICRO_STEPS + micro_step) * MICROBATCH
-  return slice(start, start + MICROBATCH)
-
-
-def main(process_id: int, port: int, output: str) -> None:
+def main(mode: str, process_id: int, port: int, output: str) -> None:
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{port}",
@@ -64,29 +99,27 @@ def main(process_id: int, port: int, output: str) -> None:
     process_id=process_id,
     initialization_timeout=60,
   )
-  # Local imports: ga_optax must not touch devices before initialize.
-  from jax.sharding import Mesh, NamedSharding
+  # Local imports: nothing may touch devices before initialize.
+  from contextlib import nullcontext
+
+  from jax.sharding import AxisType, Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
+  from token_windows import SGD, init_params, make_windows, micro_steps
 
   import ga_optax
 
-  mesh = Mesh(np.array(jax.devices()), ("data",))
-  tx = ga_optax.accumulate(OPTIMIZER, NUM_MICRO_STEPS, axis_name="data")
-
-  def device_step(params, state, x, y):
-    grads = jax.grad(loss_fn)(params, x, y)
-    updates, state = tx.update(grads, state, params, weight=x.shape[0])
-    return optax.apply_updates(params, updates), state
-
-  step = jax.jit(
-    jax.shard_map(
-      device_step,
-      mesh=mesh,
-      in_specs=(P(), P(), P("data"), P("data")),
-      out_specs=(P(), P()),
-      check_vma=False,
-    )
-  )
+  if jax.device_count() != DEVICES:
+    raise RuntimeError(f"{jax.device_count()} devices, not {DEVICES}")
+  if mode == "shard_map":
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    tx = ga_optax.accumulate(SGD, EVERY_K, axis_name="data")
+    step = shard_map_step(tx, mesh)
+    context = nullcontext()
+  else:
+    mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+    tx = ga_optax.accumulate(SGD, EVERY_K, unreduced_axes="data")
+    step = plain_jit_step(tx)
+    context = jax.set_mesh(mesh)
   replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P("data"))
 
@@ -99,24 +132,26 @@ def main(process_id: int, port: int, output: str) -> None:
       tree,
     )
 
-  params = global_replicated(initial_params())
-  state = global_replicated(tx.init(initial_params()))
-  # Global device d lives in process d // DEVICES_PER_PROCESS.
-  local_devices = [
-    process_id * DEVICES_PER_PROCESS + local
-    for local in range(DEVICES_PER_PROCESS)
-  ]
-  x_windows, y_windows = windows()
-  for x_window, y_window in zip(x_windows, y_windows, strict=True):
-    for micro_step in range(NUM_MICRO_STEPS):
-      rows = [micro_step_rows(micro_step, device) for device in local_devices]
-      x_local = np.concatenate([x_window[r] for r in rows])
-      y_local = np.concatenate([y_window[r] for r in rows])
+  with context:
+    params = global_replicated(init_params())
+    if mode == "shard_map":
+      state = global_replicated(tx.init(init_params()))
+    else:
+      # The accumulator is created unreduced over "data", on the mesh.
+      state = jax.jit(tx.init)(params)
+    windows = make_windows(LENGTHS, DEVICES, ROWS, seed=SEED)
+    for batch, flush in micro_steps(windows, EVERY_K):
+      local = local_rows(batch, process_id)
       params, state = step(
         params,
         state,
-        jax.make_array_from_process_local_data(batch_sharding, x_local),
-        jax.make_array_from_process_local_data(batch_sharding, y_local),
+        jax.tree.map(
+          lambda leaf: jax.make_array_from_process_local_data(
+            batch_sharding, leaf
+          ),
+          local,
+        ),
+        global_replicated(np.bool_(flush)),
       )
   local_params = jax.tree.map(
     lambda leaf: np.asarray(leaf.addressable_data(0)), params
@@ -131,4 +166,4 @@ def main(process_id: int, port: int, output: str) -> None:
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+  main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -2,8 +2,11 @@
 
 Each process of tests/multihost_worker.py owns two CPU devices; they meet at a
 coordinator on the loopback interface and reduce each window's accumulator
-over JAX's CPU collectives. Both must end with the parameters of a single
-process taking one large-batch step per window.
+over JAX's CPU collectives, the step written with ``jax.shard_map`` or as a
+plain ``jax.jit`` on a mesh over both processes' devices. Both must end with
+the parameters of one process taking one large-batch step per window, which
+this process computes without ga_optax (plain SGD over token-weighted windows
+of unequal weight, one closed by a flush).
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import sys
 from pathlib import Path
 
 import chex
-import jax
 import multihost_worker as worker
 import numpy as np
-import optax
 import pytest
+import token_windows
+
+import ga_optax
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "multihost_worker.py"
@@ -32,34 +36,22 @@ def free_port() -> int:
     return probe.getsockname()[1]
 
 
-def single_process_large_batch() -> dict[str, np.ndarray]:
-  @jax.jit
-  def step(params, opt_state, x, y):
-    grads = jax.grad(worker.loss_fn)(params, x, y)
-    updates, opt_state = worker.OPTIMIZER.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  params = worker.initial_params()
-  opt_state = worker.OPTIMIZER.init(params)
-  for x, y in zip(*worker.windows(), strict=True):
-    params, opt_state = step(params, opt_state, x, y)
-  return jax.device_get(params)
-
-
-def run_processes(tmp_path: Path) -> list[dict[str, np.ndarray]]:
+def run_processes(mode: str, tmp_path: Path) -> list[dict[str, np.ndarray]]:
   env = dict(os.environ)
   env["XLA_FLAGS"] = (
     f"--xla_force_host_platform_device_count={worker.DEVICES_PER_PROCESS}"
   )
   env["JAX_PLATFORMS"] = "cpu"
+  # The workers import the ga_optax this process imported.
+  package_root = str(Path(ga_optax.__file__).resolve().parent.parent)
   env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
+    filter(None, [package_root, env.get("PYTHONPATH", "")])
   )
   port = free_port()
   outputs = [tmp_path / f"process_{i}.npz" for i in range(worker.NUM_PROCESSES)]
   processes = [
     subprocess.Popen(
-      [sys.executable, str(WORKER), str(i), str(port), str(output)],
+      [sys.executable, str(WORKER), mode, str(i), str(port), str(output)],
       env=env,
       cwd=ROOT,
       stdout=subprocess.PIPE,
@@ -81,14 +73,18 @@ def run_processes(tmp_path: Path) -> list[dict[str, np.ndarray]]:
   return [dict(np.load(output)) for output in outputs]
 
 
-def test_two_processes_match_a_single_process_large_batch(tmp_path):
-  results = run_processes(tmp_path)
-  expected = single_process_large_batch()
+@pytest.mark.parametrize("mode", worker.MODES)
+def test_two_processes_match_a_single_process_large_batch(mode, tmp_path):
+  results = run_processes(mode, tmp_path)
+  windows = token_windows.make_windows(
+    worker.LENGTHS, worker.DEVICES, worker.ROWS, seed=worker.SEED
+  )
+  expected = token_windows.large_batch_reference(
+    token_windows.SGD, token_windows.init_params(), windows
+  )
   for result in results:
-    assert int(result.pop("num_devices")) == (
-      worker.NUM_PROCESSES * worker.DEVICES_PER_PROCESS
-    )
-    assert int(result.pop("update_step")) == worker.NUM_WINDOWS
-    chex.assert_trees_all_close(result, expected, rtol=1e-5, atol=1e-6)
+    assert int(result.pop("num_devices")) == worker.DEVICES
+    assert int(result.pop("update_step")) == len(worker.LENGTHS)
+    token_windows.assert_finite_and_close(result, expected)
   # Both processes ran the same reduction: bit-identical parameters.
   chex.assert_trees_all_equal(*results)

@@ -3,16 +3,23 @@
 ``microbatched_value_and_grad`` turns a loss on a batch into a function that
 splits the batch into micro-batches, computes each one's value and gradient
 inside a ``lax.scan`` (so only one micro-batch's activations are alive at a
-time), and returns their weighted mean. The pipeline has three stages, each a
-function below: split the batch (:func:`sharding.split_microbatches`), add
-one micro-batch's weighted value and gradient into the sums (the scan body,
+time), and returns their weighted mean. The pipeline has three stages: split
+the batch along each leaf's ``in_axes`` axis
+(:func:`batch_layout.split_microbatches`), add one micro-batch's weighted
+value and gradient into the sums (the scan body,
 :meth:`Microbatching.add_microbatch`), and reduce the sums to means once,
 after the scan (:meth:`Microbatching.mean`).
 
-On several devices the scan runs per device, on each device's own rows, and
-the sums are reduced once after it: inside a ``jax.shard_map`` the caller
-wrote (``axis_name``), or inside one this module writes over the mesh axes a
-batch is sharded over under a plain ``jax.jit`` (:func:`per_device_sums`).
+Gradients are taken of the floating (and complex) array leaves of the
+parameters; every other leaf (an Equinox model's activation functions, an
+integer counter) is held static, as ``equinox.filter_value_and_grad`` does
+(:class:`Trainable`).
+
+On several devices the scan runs per device, on each device's own entries,
+and the sums are reduced once after it: inside a ``jax.shard_map`` the
+caller wrote (``axis_name``), or inside one this module writes over the mesh
+axes a batch is sharded over under a plain ``jax.jit``
+(:func:`per_device_sums`).
 """
 
 from __future__ import annotations
@@ -25,16 +32,95 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
-from ga_optax._src import dtypes, eager, sharding, validation
+from ga_optax._src import batch_layout, dtypes, eager, sharding, validation
+from ga_optax._src.batch_layout import BatchLayout
 
 WeightFn = Callable[[Any], Any]
+
+
+class Trainable(NamedTuple):
+  """Parameters split into what is differentiated and what is held static.
+
+  Both trees have the parameters' structure, each with None where the other
+  has the leaf (``equinox.partition``'s convention), so that gradients come
+  out with the parameters' structure and None at every static leaf.
+
+  Attributes:
+    diff: the floating and complex array leaves.
+    static: every other leaf: functions, strings, integer or key arrays.
+  """
+
+  diff: Any
+  static: Any
+
+  @classmethod
+  def of(cls, params: Any) -> Trainable:
+    """``params`` split by :func:`validation.is_inexact_array`."""
+    return cls(
+      diff=jax.tree.map(
+        lambda leaf: leaf if validation.is_inexact_array(leaf) else None,
+        params,
+      ),
+      static=jax.tree.map(
+        lambda leaf: None if validation.is_inexact_array(leaf) else leaf,
+        params,
+      ),
+    )
+
+  def params(self, diff: Any) -> Any:
+    """The parameters with ``diff`` in place of the differentiated leaves."""
+    return jax.tree.map(
+      lambda trained, held: held if trained is None else trained,
+      diff,
+      self.static,
+      is_leaf=lambda node: node is None,
+    )
+
+
+class Inputs(NamedTuple):
+  """One call's arguments, its batch split by the batch's layout.
+
+  Attributes:
+    trainable: the parameters.
+    layout: where the batch's entries lie.
+    split: the batch leaves split into micro-batches (one device's share
+      inside a ``shard_map``).
+    whole: the batch leaves passed whole to every micro-batch.
+    args: extra positional arguments, for every micro-batch.
+    kwargs: extra keyword arguments, for every micro-batch.
+    rng: the key folded per micro-batch, or None.
+  """
+
+  trainable: Trainable
+  layout: BatchLayout
+  split: list[Any]
+  whole: list[Any]
+  args: tuple[Any, ...]
+  kwargs: dict[str, Any]
+  rng: Any
+
+  def shared(self) -> tuple[Any, ...]:
+    """What every device needs whole: all but the split batch leaves."""
+    return self.trainable, self.whole, self.args, self.kwargs, self.rng
+
+  def with_shared(self, shared: tuple[Any, ...], split: list[Any]) -> Inputs:
+    """These inputs with ``shared`` (as :meth:`shared` gives) and ``split``."""
+    trainable, whole, args, kwargs, rng = shared
+    return self._replace(
+      trainable=trainable,
+      split=split,
+      whole=whole,
+      args=args,
+      kwargs=kwargs,
+      rng=rng,
+    )
 
 
 class Sums(NamedTuple):
   """Weighted sums over micro-batches, kept in the carry of the scan.
 
   Attributes:
-    grads: ``sum(w_i * grad_i)``, a tree like the params.
+    grads: ``sum(w_i * grad_i)``, a tree like the differentiated params.
     value: ``sum(w_i * value_i)``.
     weight: ``sum(w_i)``; NaN once a negative weight was seen.
   """
@@ -48,21 +134,25 @@ class Microbatching(NamedTuple):
   """How to split a batch and sum its micro-batches' values and gradients.
 
   Attributes:
-    grad_fn: ``jax.value_and_grad`` of the (possibly rematerialised) loss.
+    fun: the loss, ``fun(params, microbatch, *args, **kwargs)``.
     num_microbatches: micro-batches per batch.
     has_aux: the loss returns ``(value, aux)``.
     weight_fn: ``microbatch -> scalar weight``, or None for weight 1.
     accumulator_dtype: the floating dtype of the gradient sums.
+    remat: each micro-batch's loss runs under ``jax.checkpoint``.
+    checkpoint_policy: the ``jax.checkpoint`` policy with ``remat``.
   """
 
-  grad_fn: Callable[..., Any]
+  fun: Callable[..., Any]
   num_microbatches: int
   has_aux: bool
   weight_fn: WeightFn | None
   accumulator_dtype: jnp.dtype
+  remat: bool
+  checkpoint_policy: Callable[..., bool] | None
 
-  def zeros(self, params: Any) -> Sums:
-    """Empty sums for ``params``."""
+  def zeros(self, diff: Any) -> Sums:
+    """Empty sums for the differentiated params ``diff``."""
     return Sums(
       # zeros_like keeps each parameter's sharding over other mesh axes.
       grads=jax.tree.map(
@@ -70,7 +160,7 @@ class Microbatching(NamedTuple):
           param,
           dtypes.sum_dtype(jnp.result_type(param), self.accumulator_dtype),
         ),
-        params,
+        diff,
       ),
       value=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
       weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
@@ -107,16 +197,32 @@ class Microbatching(NamedTuple):
     weight = jnp.asarray(weight, weight_dtype)
     return jnp.where(weight < 0, jnp.nan, weight)
 
+  def value_and_grad(
+    self,
+    trainable: Trainable,
+    microbatch: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+  ) -> tuple[Any, Any]:
+    """``fun``'s output on one micro-batch, and its gradient in ``diff``."""
+
+    def loss(diff: Any) -> Any:
+      return self.fun(trainable.params(diff), microbatch, *args, **kwargs)
+
+    if self.remat:
+      loss = jax.checkpoint(loss, policy=self.checkpoint_policy)
+    return jax.value_and_grad(loss, has_aux=self.has_aux)(trainable.diff)
+
   def add_microbatch(
     self,
     sums: Sums,
-    params: Any,
+    trainable: Trainable,
     microbatch: Any,
-    call_args: tuple[Any, ...],
-    call_kwargs: dict[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
   ) -> tuple[Sums, Any]:
     """Adds one micro-batch's weighted value and gradient to ``sums``."""
-    output, grads = self.grad_fn(params, microbatch, *call_args, **call_kwargs)
+    output, grads = self.value_and_grad(trainable, microbatch, args, kwargs)
     value, aux = output if self.has_aux else (output, None)
     weight = self.weight_of(microbatch)
     # A weight-0 micro-batch may hold a 0 / 0 loss: select, not multiply.
@@ -137,35 +243,35 @@ class Microbatching(NamedTuple):
     return new_sums, aux
 
   def sums(
-    self,
-    params: Any,
-    batch: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    rng: Any,
-    varying_axes: sharding.Axes = (),
+    self, inputs: Inputs, varying_axes: sharding.Axes = ()
   ) -> tuple[Sums, Any]:
-    """The weighted sums over ``batch``'s micro-batches, on this device.
+    """The weighted sums over the micro-batches of ``inputs``' batch.
 
-    ``varying_axes``: inside ``jax.shard_map``, the manual axes the
-    gradients vary over; the carry is cast to vary over them too, so that
-    the scan keeps its type.
+    ``varying_axes``: inside a ``jax.shard_map`` that checks varying axes,
+    the manual axes the gradients vary over; the carry is cast to vary over
+    them too, so that the scan keeps its type.
     """
-    microbatches = sharding.split_microbatches(batch, self.num_microbatches)
-    initial = sharding.cast_to_varying(self.zeros(params), varying_axes)
+    layout, trainable = inputs.layout, inputs.trainable
+    microbatches = batch_layout.split_microbatches(
+      inputs.split, layout.split_axes, self.num_microbatches
+    )
+    initial = sharding.cast_to_varying(self.zeros(trainable.diff), varying_axes)
 
     def scan_body(sums: Sums, xs: tuple[jax.Array, Any]) -> tuple[Sums, Any]:
-      index, microbatch = xs
-      call_kwargs = dict(kwargs)
-      if rng is not None:
-        call_kwargs["rng"] = jax.random.fold_in(rng, index)
-      return self.add_microbatch(sums, params, microbatch, args, call_kwargs)
+      index, split = xs
+      microbatch = layout.rebuild(split, inputs.whole)
+      kwargs = dict(inputs.kwargs)
+      if inputs.rng is not None:
+        kwargs["rng"] = jax.random.fold_in(inputs.rng, index)
+      return self.add_microbatch(
+        sums, trainable, microbatch, inputs.args, kwargs
+      )
 
     indices = jnp.arange(self.num_microbatches, dtype=jnp.int32)
     return jax.lax.scan(scan_body, initial, (indices, microbatches))
 
-  def mean(self, sums: Sums, params: Any) -> tuple[jax.Array, Any]:
-    """``(value, grads)``: the sums over their weight, grads in params' dtypes.
+  def mean(self, sums: Sums, diff: Any) -> tuple[jax.Array, Any]:
+    """``(value, grads)``: the sums over their weight, grads in diff's dtypes.
 
     All-zero weights (a batch of padding only) give zeros, not 0 / 0; a NaN
     weight (a negative one was seen) gives NaN.
@@ -176,7 +282,7 @@ class Microbatching(NamedTuple):
         jnp.result_type(param)
       ),
       sums.grads,
-      params,
+      diff,
     )
     return sums.value * scale, grads
 
@@ -184,44 +290,49 @@ class Microbatching(NamedTuple):
 def per_device_sums(
   microbatching: Microbatching,
   axes: sharding.Axes,
-  params: Any,
-  batch: Any,
-  args: tuple[Any, ...],
-  kwargs: dict[str, Any],
-  rng: Any,
+  inputs: Inputs,
   *,
   unreduced: bool,
 ) -> tuple[jax.Array, Any, Any]:
   """Micro-batching of a batch sharded over mesh ``axes``, under plain jit.
 
-  Each device scans its own rows with the parameters cast to varying, so
-  each micro-batch's gradient stays a device-local partial sum; the sums are
-  reduced once, after the scan. With ``unreduced``, the gradients leave
-  scaled by the global weight but not summed over devices: ``unreduced``
-  over ``axes``, for ``accumulate(..., unreduced_axes=axes)`` to sum once
-  per window.
+  Each device scans its own entries; the map over the devices does not
+  check varying axes, so each micro-batch's gradient stays a device-local
+  partial sum and the user's loss runs as JAX runs it. The sums are reduced
+  once, after the scan. With ``unreduced``, the gradients leave scaled by
+  the global weight but not summed over devices: ``unreduced`` over
+  ``axes``, for ``accumulate(..., unreduced_axes=axes)`` to sum once per
+  window.
 
   Returns:
     ``(value, grads, aux)``; aux leaves are stacked per sub-batch, device
     major: entry ``d * k + i`` is micro-batch ``i`` on device ``d``.
   """
-  arrays, rebuild = sharding.split_arrays((params, args, kwargs, rng))
+  devices = batch_layout.device_count(axes)
+  batch_layout.check_divisible(
+    inputs.layout, microbatching.num_microbatches, devices
+  )
+  local_layout = inputs.layout._replace(size=inputs.layout.size // devices)
+  arrays, rebuild = batch_layout.split_arrays(inputs.shared())
+  diff = inputs.trainable.diff
 
-  def per_device(arrays: list[Any], local_batch: Any) -> Any:
-    params, args, kwargs, rng = rebuild(arrays)
-    params = sharding.cast_to_varying(params, axes)
-    if rng is not None:
-      # Devices hold different rows: they must not share dropout masks.
-      rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
-    sums, aux = microbatching.sums(
-      params, local_batch, args, kwargs, rng, varying_axes=axes
-    )
+  def per_device(arrays: list[Any], split: list[Any]) -> Any:
+    local = inputs.with_shared(rebuild(arrays), split)
+    local = local._replace(layout=local_layout)
+    if local.rng is not None:
+      # Devices hold different entries: they must not share dropout masks.
+      local = local._replace(
+        rng=jax.random.fold_in(local.rng, jax.lax.axis_index(axes))
+      )
+    sums, aux = microbatching.sums(local)
     if not unreduced:
-      value, grads = microbatching.mean(jax.lax.psum(sums, axes), params)
+      value, grads = microbatching.mean(
+        jax.lax.psum(sums, axes), local.trainable.diff
+      )
       return value, grads, aux
     value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
     value, grads = microbatching.mean(
-      Sums(sums.grads, value_sum, weight_sum), params
+      Sums(sums.grads, value_sum, weight_sum), local.trainable.diff
     )
     # One partial sum per device, stacked along a new leading axis: a
     # shard_map may not return unreduced values while other axes stay
@@ -235,21 +346,22 @@ def per_device_sums(
       *((axes,) if unreduced else ()),
       *sharding.without_axes(sharding.spec_of(param), axes).partitions,
     ),
-    params,
+    diff,
   )
-  value, grads, aux = sharding.map_over_batch_axes(
+  value, grads, aux = batch_layout.map_over_batch_axes(
     per_device,
     axes,
     arrays,
-    batch,
+    inputs.split,
+    inputs.layout.split_axes,
     out_specs=(PartitionSpec(), grad_specs, PartitionSpec(axes)),
   )
   if unreduced:
-    grads = sharding.sum_to_unreduced(grads, params, axes)
+    grads = sharding.sum_to_unreduced(grads, diff, axes)
   elif _explicit(axes):
     # A parameter sharded over a batch axis (FSDP) was gathered for the
     # scan; its gradient goes back to the parameter's own sharding.
-    grads = sharding.reshard_tree(grads, jax.tree.map(sharding.spec_of, params))
+    grads = sharding.reshard_tree(grads, jax.tree.map(sharding.spec_of, diff))
   return value, grads, aux
 
 
@@ -267,6 +379,7 @@ def _check_options(
   accumulator_dtype: Any,
   checkpoint_policy: Any,
   remat: Any,
+  in_axes: Any,
 ) -> Microbatching:
   """Checks the arguments; returns the :class:`Microbatching` they describe."""
   if not callable(fun):
@@ -288,20 +401,34 @@ def _check_options(
       "checkpoint_policy only applies with remat=True; pass remat=True or"
       " drop checkpoint_policy."
     )
-  per_microbatch_fun = fun
-  if remat:
-    per_microbatch_fun = jax.checkpoint(fun, policy=checkpoint_policy)
+  batch_layout.check_in_axes(in_axes)
   return Microbatching(
-    grad_fn=jax.value_and_grad(per_microbatch_fun, has_aux=has_aux),
+    fun=fun,
     num_microbatches=num_microbatches,
     has_aux=has_aux,
     weight_fn=weight_fn,
     accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
+    remat=remat,
+    checkpoint_policy=checkpoint_policy,
   )
 
 
+def _inputs(
+  params: Any,
+  batch: Any,
+  in_axes: Any,
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  rng: Any,
+) -> Inputs:
+  """One call's arguments, with the batch read by ``in_axes``."""
+  layout = batch_layout.layout_of(batch, in_axes)
+  split, whole = layout.parts(batch)
+  return Inputs(Trainable.of(params), layout, split, whole, args, kwargs, rng)
+
+
 def _data_parallel_axes(
-  batch: Any, axis_name: Any
+  inputs: Inputs, axis_name: Any
 ) -> tuple[sharding.Axes, sharding.Axes]:
   """``(mesh_axes, manual_axes)``: where the batch is split, and how.
 
@@ -310,17 +437,18 @@ def _data_parallel_axes(
   ``manual_axes``: axes the caller's ``shard_map`` (or ``pmap``) is manual
   over, to be summed over with a collective.
   """
+  sharded_over = batch_layout.sharded_axes(inputs.layout, inputs.split)
   if axis_name is None:
-    axes = sharding.batch_axes(batch)
-    missing = [axis for axis in axes if axis not in sharding.mesh_axis_types()]
+    types = sharding.mesh_axis_types()
+    missing = [axis for axis in sharded_over if axis not in types]
     if missing:
       raise ValueError(
-        f"batch is sharded over mesh axes {axes!r}, but no mesh with"
-        f" {missing!r} is set: call the function under"
+        f"batch is sharded over mesh axes {sharded_over!r}, but no mesh"
+        f" with {missing!r} is set: call the function under"
         " jax.set_mesh(mesh) (or `with jax.set_mesh(mesh):`), so that each"
-        " device can work on its own rows."
+        " device can work on its own entries."
       )
-    return axes, ()
+    return sharded_over, ()
   named = sharding.as_axes(axis_name, "axis_name")
   in_mesh = sharding.mesh_axes(named)
   if not in_mesh:
@@ -340,11 +468,10 @@ def _data_parallel_axes(
       f"axis_name {named!r} mixes mesh axes {in_mesh!r} with axes this code"
       " is already manual over (inside shard_map or pmap); name one kind."
     )
-  sharded_over = sharding.batch_axes(batch)
   if sharded_over and sharded_over != named:
     raise ValueError(
       f"axis_name is {named!r}, but batch is sharded over {sharded_over!r}"
-      " along its leading dimension; pass axis_name=None to use the"
+      " along its batch axis (in_axes); pass axis_name=None to use the"
       " batch's own axes, or reshard the batch."
     )
   return named, ()
@@ -357,6 +484,7 @@ def microbatched_value_and_grad(
   has_aux: bool = False,
   weight_fn: WeightFn | None = None,
   axis_name: Any = None,
+  in_axes: Any = 0,
   accumulator_dtype: Any = jnp.float32,
   checkpoint_policy: Callable[..., bool] | None = None,
   remat: bool = False,
@@ -364,35 +492,42 @@ def microbatched_value_and_grad(
   """Value and gradient of ``fun`` accumulated over micro-batches in one scan.
 
   The returned ``g(params, batch, *args, rng=None, **kwargs)`` splits every
-  leaf of ``batch`` along its leading axis into ``num_microbatches``
-  micro-batches, micro-batch ``i`` holding rows ``i, i + k, i + 2k, ...``;
-  evaluates ``jax.value_and_grad(fun)`` on each inside one ``lax.scan``; and
-  returns the weighted mean ``sum(w_i v_i) / sum(w_i)`` of values and
-  gradients, with ``w_i = weight_fn(microbatch_i)`` (1 by default). When
-  ``fun`` is the mean loss of its batch (normalised by its own item count)
-  and ``w_i`` counts the items, this equals
-  ``jax.value_and_grad(fun)(params, batch)``. Micro-batches of weight 0 (for
-  example padding only) are dropped whole, so a loss of ``0 / 0`` there does
-  not poison the result.
+  leaf of ``batch`` along its batch axis (``in_axes``; the leading axis by
+  default) into ``num_microbatches`` micro-batches, micro-batch ``i``
+  holding entries ``i, i + k, i + 2k, ...``; evaluates the value and
+  gradient of ``fun`` on each inside one ``lax.scan``; and returns the
+  weighted mean ``sum(w_i v_i) / sum(w_i)`` of values and gradients, with
+  ``w_i = weight_fn(microbatch_i)`` (1 by default). When ``fun`` is the
+  mean loss of its batch (normalised by its own item count) and ``w_i``
+  counts the items, this equals ``jax.value_and_grad(fun)(params, batch)``.
+  Micro-batches of weight 0 (for example padding only) are dropped whole,
+  so a loss of ``0 / 0`` there does not poison the result.
 
-  On several devices, each device scans its own rows and the sums are
+  Gradients are taken of the floating and complex array leaves of
+  ``params``; every other leaf (an Equinox model's activation functions,
+  Python numbers, integer or key arrays) is held static, as
+  ``equinox.filter_value_and_grad`` does, and is None in ``grads``. For a
+  tree of floating arrays (plain, Flax Linen or NNX) that is every leaf.
+
+  On several devices, each device scans its own entries and the sums are
   reduced once, after the scan, with no collective inside it:
 
   * under a plain ``jax.jit`` with a batch sharded over mesh axes (for
     example ``P("data")`` on a mesh set with ``jax.set_mesh``), the axes are
     read from the batch's type under Explicit axes; under Auto axes name
-    them with ``axis_name``. Each device computes ``B / (k * D)`` rows per
-    micro-batch, the batch is never gathered, and the gradients come out
-    sharded like the params. Without ``axis_name`` under Auto axes the
-    compiler still splits the rows but reduces every micro-batch's
-    gradient inside the loop.
+    them with ``axis_name``. Each device computes ``B / (k * D)`` entries
+    per micro-batch, the batch is never gathered, and the gradients come
+    out sharded like the params. A split leaf that is not sharded over those
+    axes (a mask made in the step) is resharded onto them on the way in.
+    Without ``axis_name`` under Auto axes the compiler still splits the
+    entries but reduces every micro-batch's gradient inside the loop.
   * inside ``jax.shard_map`` (or ``pmap``), name the data-parallel axis
     with ``axis_name``; every device returns the global mean.
 
-  ``fun`` then sees one device's rows of a micro-batch: a mean loss over them
-  is combined exactly (all devices hold equally many rows), a loss that
-  couples the rows of a batch (contrastive, in-batch BatchNorm) sees
-  ``B / (k * D)`` of them.
+  ``fun`` then sees one device's entries of a micro-batch, with the batch's
+  mesh axes manual: a mean loss over them is combined exactly (all devices
+  hold equally many entries), a loss that couples the entries of a batch
+  (contrastive, in-batch BatchNorm) sees ``B / (k * D)`` of them.
 
   ``args`` and ``kwargs`` are passed unchanged to every call of ``fun``. When
   ``rng`` is given, ``fun`` receives ``rng=jax.random.fold_in(rng, i)`` for
@@ -405,7 +540,7 @@ def microbatched_value_and_grad(
     fun: ``fun(params, microbatch, *args, **kwargs)`` returning a scalar loss,
       or ``(loss, aux)`` with ``has_aux=True``.
     num_microbatches: how many micro-batches to split ``batch`` into; its
-      leading size (per device, on several) must be divisible by it.
+      batch size (per device, on several) must be divisible by it.
     has_aux: ``fun`` returns ``(loss, aux)``. ``g`` then returns
       ``((value, aux), grads)`` with every leaf of ``aux`` stacked along a
       new leading axis, one entry per micro-batch (not averaged: metrics
@@ -421,6 +556,13 @@ def microbatched_value_and_grad(
       Under plain ``jit``, the axes the batch is sharded over (read from the
       batch's type under Explicit axes when None). Inside ``jax.shard_map``
       or ``pmap``, the axis to sum over after the scan.
+    in_axes: where each leaf of ``batch`` holds the batch's entries, with
+      ``jax.vmap``'s meaning: an int axis or None for each leaf, given as a
+      pytree prefix of ``batch`` (``0``: every leaf along its leading axis;
+      ``{"x": 1, "y": 0}`` for time-major inputs). Negative axes count from
+      the end. A None leaf (a mask or a table shared by the batch, a PRNG
+      key) goes whole to every micro-batch. Inside ``jax.shard_map``, its
+      ``in_specs`` put the data axis on each leaf's own batch axis.
     accumulator_dtype: floating dtype of the gradient sum carried through
       the scan (float32 by default, also for bfloat16 parameters; complex
       parameters are summed in the complex dtype of that precision).
@@ -435,18 +577,22 @@ def microbatched_value_and_grad(
   Returns:
     ``g(params, batch, *args, rng=None, **kwargs)`` returning
     ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``;
-    ``grads`` has the tree and dtypes of ``params``; ``value`` is a scalar
-    in the precision of the sums (float32 unless ``accumulator_dtype`` is
-    wider). Called outside ``jit``, ``g`` compiles once per input shapes
-    and dtypes and reuses the compiled program.
+    ``grads`` has the tree of ``params`` (None at static leaves) and the
+    dtypes of its leaves; ``value`` is a scalar in the precision of the
+    sums (float32 unless ``accumulator_dtype`` is wider). Called outside
+    ``jit``, ``g`` compiles once per input shapes and dtypes and reuses the
+    compiled program.
 
   Raises:
     TypeError: ``num_microbatches`` is not an int, ``fun`` or ``weight_fn``
-      is not callable, or ``accumulator_dtype`` is not floating.
-    ValueError: ``num_microbatches`` is below 1. ``g`` raises for a ``batch``
-      whose leaves' leading sizes differ or are not divisible by
-      ``num_microbatches``, for a ``weight_fn`` that is not scalar, and for
-      an ``axis_name`` that does not match the batch's sharding.
+      is not callable, ``accumulator_dtype`` is not floating, or a leaf of
+      ``in_axes`` is neither an int nor None.
+    ValueError: ``num_microbatches`` is below 1. ``g`` raises for an
+      ``in_axes`` that is not a prefix of ``batch`` or gives an axis out of
+      range, for split leaves whose batch sizes differ or are not divisible
+      by ``num_microbatches`` (per device), for a ``weight_fn`` that is not
+      scalar, and for an ``axis_name`` that does not match the batch's
+      sharding.
 
   Example:
     >>> import jax, jax.numpy as jnp, ga_optax
@@ -458,6 +604,19 @@ def microbatched_value_and_grad(
     >>> full_loss, full_grads = jax.value_and_grad(loss_fn)(w, batch)
     >>> bool(jnp.allclose(loss, full_loss)), bool(jnp.allclose(grads, full_grads))
     (True, True)
+
+    Time-major inputs hold the batch on axis 1; a shared leaf has None:
+
+    >>> def sequence_loss(w, batch):  # x: (time, batch, 2), y: (batch,)
+    ...   hidden = jnp.tanh(batch["x"] @ w).sum(0) * batch["scale"]
+    ...   return jnp.mean((hidden - batch["y"]) ** 2)
+    >>> batch = {"x": jnp.ones((5, 8, 2)), "y": jnp.arange(8.0),
+    ...          "scale": jnp.float32(0.5)}
+    >>> g = ga_optax.microbatched_value_and_grad(
+    ...     sequence_loss, 4, in_axes={"x": 1, "y": 0, "scale": None})
+    >>> loss, grads = g(w, batch)
+    >>> bool(jnp.allclose(grads, jax.grad(sequence_loss)(w, batch)))
+    True
   """
   microbatching = _check_options(
     fun,
@@ -467,6 +626,7 @@ def microbatched_value_and_grad(
     accumulator_dtype=accumulator_dtype,
     checkpoint_policy=checkpoint_policy,
     remat=remat,
+    in_axes=in_axes,
   )
   if axis_name is not None:
     sharding.as_axes(axis_name, "axis_name")
@@ -475,45 +635,50 @@ def microbatched_value_and_grad(
   def value_and_grad_fn(
     params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
   ) -> Any:
-    sharding.leading_size(batch)
-    mesh_axes, manual_axes = _data_parallel_axes(batch, axis_name)
+    inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
+    mesh_axes, manual_axes = _data_parallel_axes(inputs, axis_name)
     if mesh_axes:
       value, grads, aux = per_device_sums(
-        microbatching, mesh_axes, params, batch, args, kwargs, rng,
-        unreduced=False,
-      )  # fmt: skip
-    else:
-      value, grads, aux = _local_or_manual(
-        microbatching, manual_axes, params, batch, args, kwargs, rng
+        microbatching, mesh_axes, inputs, unreduced=False
       )
+    else:
+      value, grads, aux = _local_or_manual(microbatching, manual_axes, inputs)
     return ((value, aux), grads) if has_aux else (value, grads)
 
   return eager.compiled_when_eager(value_and_grad_fn)
 
 
 def _local_or_manual(
-  microbatching: Microbatching,
-  manual_axes: sharding.Axes,
-  params: Any,
-  batch: Any,
-  args: tuple[Any, ...],
-  kwargs: dict[str, Any],
-  rng: Any,
+  microbatching: Microbatching, manual_axes: sharding.Axes, inputs: Inputs
 ) -> tuple[jax.Array, Any, Any]:
   """One device's batch, or the caller's ``shard_map`` over ``manual_axes``."""
-  # Inside shard_map, varying parameters give device-local gradients: no
-  # collective in the backward pass of each micro-batch, one sum after the
-  # scan. (pmap and vmap axes do not track variance.)
-  varying_axes = sharding.shard_map_axes(manual_axes)
-  params = sharding.cast_to_varying(params, varying_axes)
-  if manual_axes and rng is not None:
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(manual_axes))
-  sums, aux = microbatching.sums(
-    params, batch, args, kwargs, rng, varying_axes=varying_axes
+  batch_layout.check_divisible(
+    inputs.layout,
+    microbatching.num_microbatches,
+    where=(
+      f"inside the jax.shard_map (or pmap) over axis_name {manual_axes!r}"
+      if manual_axes
+      else ""
+    ),
   )
+  # Inside a shard_map that checks varying axes, varying parameters give
+  # device-local gradients: no collective in the backward pass of each
+  # micro-batch, one sum after the scan. (pmap and vmap axes do not track
+  # variance.)
+  varying_axes = sharding.shard_map_axes(manual_axes)
+  trainable = inputs.trainable
+  trainable = trainable._replace(
+    diff=sharding.cast_to_varying(trainable.diff, varying_axes)
+  )
+  inputs = inputs._replace(trainable=trainable)
+  if manual_axes and inputs.rng is not None:
+    inputs = inputs._replace(
+      rng=jax.random.fold_in(inputs.rng, jax.lax.axis_index(manual_axes))
+    )
+  sums, aux = microbatching.sums(inputs, varying_axes=varying_axes)
   if manual_axes:
     sums = jax.lax.psum(sums, manual_axes)
-  value, grads = microbatching.mean(sums, params)
+  value, grads = microbatching.mean(sums, trainable.diff)
   return value, grads, aux
 
 
@@ -523,6 +688,7 @@ def unreduced_value_and_grad(
   *,
   has_aux: bool = False,
   weight_fn: WeightFn | None = None,
+  in_axes: Any = 0,
   accumulator_dtype: Any = jnp.float32,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` with the gradients left unreduced over mesh axes.
@@ -530,20 +696,24 @@ def unreduced_value_and_grad(
   For a train step under a plain ``jax.jit`` whose batch is sharded over
   Explicit mesh axes (``jax.make_mesh`` + ``jax.set_mesh`` + a batch put
   with ``P("data")``): the returned ``g(params, batch, *args, rng=None,
-  **kwargs)`` runs ``fun`` on each device's rows and returns the gradients
-  ``unreduced`` over ``unreduced_axes``: each device holds its partial sum,
-  and no collective runs. Feed them to ``ga_optax.accumulate(...,
-  unreduced_axes=...)``, which sums them over the devices once per window,
-  in the branch that closes it, instead of once per micro-step.
+  **kwargs)`` runs ``fun`` on each device's entries and returns the
+  gradients ``unreduced`` over ``unreduced_axes``: each device holds its
+  partial sum, and no collective runs. Feed them to
+  ``ga_optax.accumulate(..., unreduced_axes=...)``, which sums them over the
+  devices once per window, in the branch that closes it, instead of once
+  per micro-step.
 
   The gradients' true value (the sum of the partial sums) is the gradient
   of the batch's weighted mean loss, exactly what ``jax.value_and_grad(fun)``
   returns for a mean loss; the value is that mean, already reduced (one
   scalar all-reduce). Works for any model: each device differentiates its
-  loss with the parameters cast to varying inside a ``jax.shard_map`` over
-  the batch axes (parameters sharded over other mesh axes keep their
+  loss inside a ``jax.shard_map`` over the batch axes that leaves the loss
+  as JAX runs it (parameters sharded over other mesh axes keep their
   sharding). A parameter sharded over a batch axis (FSDP) is gathered for
-  the call; its gradient comes out whole, unreduced.
+  the call; its gradient comes out whole, unreduced. As in
+  :func:`microbatched_value_and_grad`, gradients are taken of the floating
+  and complex array leaves of ``params`` and are None at the others, and
+  ``in_axes`` says where each leaf of ``batch`` holds its entries.
 
   Args:
     fun: ``fun(params, batch, *args, **kwargs)`` returning the scalar mean
@@ -553,11 +723,13 @@ def unreduced_value_and_grad(
     has_aux: ``fun`` returns ``(loss, aux)``; ``g`` then returns
       ``((value, aux), grads)`` with every leaf of ``aux`` stacked along a
       new leading axis, one entry per device, sharded over the axes.
-    weight_fn: ``weight_fn(rows)`` returns the scalar weight of one
-      device's rows (for example its number of real tokens); the devices'
-      gradients are combined in proportion (one more scalar all-reduce).
-      By default all devices weigh the same, which is exact for a mean loss
-      (every device holds as many rows).
+    weight_fn: ``weight_fn(entries)`` returns the scalar weight of one
+      device's entries (for example its number of real tokens); the
+      devices' gradients are combined in proportion (one more scalar
+      all-reduce). By default all devices weigh the same, which is exact
+      for a mean loss (every device holds as many entries).
+    in_axes: an int axis or None per leaf of ``batch`` (a pytree prefix of
+      it), as in :func:`microbatched_value_and_grad`; default 0.
     accumulator_dtype: floating dtype in which each device's weighted
       gradient is formed.
 
@@ -567,10 +739,11 @@ def unreduced_value_and_grad(
     reaches ``fun`` folded with the device's index.
 
   Raises:
-    TypeError: ``fun`` or ``weight_fn`` is not callable, or
-      ``unreduced_axes`` is not an axis name or a tuple of them.
-    ValueError: (from ``g``) the axes are not Explicit mesh axes, or the
-      batch is not sharded over them.
+    TypeError: ``fun`` or ``weight_fn`` is not callable, ``unreduced_axes``
+      is not an axis name or a tuple of them, or a leaf of ``in_axes`` is
+      neither an int nor None.
+    ValueError: (from ``g``) the axes are not Explicit mesh axes, the batch
+      is sharded over other axes, or ``in_axes`` does not fit the batch.
 
   Example:
     >>> import jax, jax.numpy as jnp, ga_optax
@@ -593,6 +766,7 @@ def unreduced_value_and_grad(
     accumulator_dtype=accumulator_dtype,
     checkpoint_policy=None,
     remat=False,
+    in_axes=in_axes,
   )
   if unreduced_axes is not None:
     sharding.as_axes(unreduced_axes, "unreduced_axes")
@@ -601,18 +775,19 @@ def unreduced_value_and_grad(
   def value_and_grad_fn(
     params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
   ) -> Any:
-    axes = _unreduced_batch_axes(batch, unreduced_axes)
+    inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
+    axes = _unreduced_batch_axes(inputs, unreduced_axes)
     value, grads, aux = per_device_sums(
-      microbatching, axes, params, batch, args, kwargs, rng, unreduced=True
+      microbatching, axes, inputs, unreduced=True
     )
     return ((value, aux), grads) if has_aux else (value, grads)
 
   return value_and_grad_fn
 
 
-def _unreduced_batch_axes(batch: Any, unreduced_axes: Any) -> sharding.Axes:
+def _unreduced_batch_axes(inputs: Inputs, unreduced_axes: Any) -> sharding.Axes:
   """The Explicit mesh axes to leave the gradients unreduced over."""
-  sharded_over = sharding.batch_axes(batch)
+  sharded_over = batch_layout.sharded_axes(inputs.layout, inputs.split)
   axes = (
     sharded_over
     if unreduced_axes is None
@@ -620,10 +795,10 @@ def _unreduced_batch_axes(batch: Any, unreduced_axes: Any) -> sharding.Axes:
   )
   if not axes:
     raise ValueError(
-      "unreduced_axes is None and batch is not sharded along its leading"
-      " dimension; put the batch with jax.device_put(batch, P('data')) under"
-      " a mesh with Explicit axes (jax.make_mesh + jax.set_mesh), or name"
-      " the axes."
+      "unreduced_axes is None and batch is not sharded along its batch axis"
+      " (in_axes); put the batch with jax.device_put(batch, P('data'))"
+      " under a mesh with Explicit axes (jax.make_mesh + jax.set_mesh), or"
+      " name the axes."
     )
   types = sharding.mesh_axis_types()
   not_explicit = [axis for axis in axes if types.get(axis) != AxisType.Explicit]
@@ -637,6 +812,6 @@ def _unreduced_batch_axes(batch: Any, unreduced_axes: Any) -> sharding.Axes:
   if sharded_over and sharded_over != axes:
     raise ValueError(
       f"unreduced_axes is {axes!r}, but batch is sharded over"
-      f" {sharded_over!r} along its leading dimension."
+      f" {sharded_over!r} along its batch axis (in_axes)."
     )
   return axes

@@ -1,4 +1,4 @@
-"""Sharding helpers: the batch's mesh axes, per-device maps, unreduced trees.
+"""Sharding helpers: mesh axes, partition specs, unreduced trees.
 
 Under JAX's default multi-device workflow (``jax.make_mesh`` + ``jax.set_mesh``
 and a plain ``jax.jit``), a batch is sharded over some mesh axes and the
@@ -6,15 +6,13 @@ parameters are replicated over them. Gradient accumulation must then keep
 every device on its own rows and reduce the gradient once, not once per
 micro-batch. The pieces that make that possible live here:
 
-* which mesh axes a batch is sharded over, and whether an axis is manual
-  (inside ``jax.shard_map``) or not;
-* the strided split of a batch into micro-batches (micro-batch ``i`` is rows
-  ``i::k``), which keeps every micro-batch sharded like the batch;
-* :func:`map_over_batch_axes`, a ``jax.shard_map`` over the batch axes only,
-  with the parameters cast to varying so that each device's gradient is its
-  own partial sum, with no collective in the backward pass;
+* which mesh axes a name refers to, and whether an axis is manual (inside
+  ``jax.shard_map``) or not;
 * partition specs with axes added to or removed from them, and trees cast to
-  or reduced from ``unreduced`` over mesh axes.
+  or reduced from ``unreduced`` over mesh axes, or cast to varying.
+
+How a batch is split into micro-batches, and the ``jax.shard_map`` over its
+mesh axes, live in :mod:`ga_optax._src.batch_layout`.
 
 Why a ``shard_map`` and not parameters cast to ``reduced``: in jax 0.10 a
 parameter of type ``reduced`` may not meet an activation sharded over the
@@ -26,7 +24,7 @@ under Explicit and Auto axes alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -99,31 +97,6 @@ def spec_of(leaf: Any) -> PartitionSpec:
 def unreduced_axes_of(leaf: Any) -> frozenset[str]:
   """The mesh axes ``leaf`` is unreduced over, from its type."""
   return frozenset(spec_of(leaf).unreduced)
-
-
-def batch_axes(batch: Any) -> Axes:
-  """The mesh axes the leading dimension of ``batch`` is sharded over.
-
-  Read from the leaves' types, so it is known under Explicit axes only (the
-  types of Auto-sharded arrays carry no sharding). Leaves whose leading
-  dimension is not sharded are ignored; they are split on the way in.
-
-  Raises:
-    ValueError: two leaves are sharded over different axes.
-  """
-  found: dict[Axes, str] = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-    spec = spec_of(leaf)
-    axes = spec_entry_axes(spec[0]) if len(spec.partitions) else ()
-    if axes:
-      found.setdefault(axes, jax.tree_util.keystr(path))
-  if len(found) > 1:
-    raise ValueError(
-      "every leaf of batch must be sharded over the same mesh axes along"
-      f" its leading dimension; got {found} (axes: first leaf with them)."
-      " Reshard the batch with jax.device_put(batch, P(axes))."
-    )
-  return next(iter(found), ())
 
 
 def without_axes(spec: PartitionSpec, axes: Iterable[str]) -> PartitionSpec:
@@ -237,67 +210,6 @@ def as_reduced(scalar: Any, axes: Axes) -> Any:
   )
 
 
-def split_microbatches(batch: Any, num_microbatches: int) -> Any:
-  """Reshapes every leaf from ``(B, ...)`` to ``(k, B // k, ...)``, strided.
-
-  Micro-batch ``i`` holds rows ``i, i + k, i + 2k, ...`` of the batch (a
-  column-major reshape). A batch whose leading dimension is split evenly over
-  devices thus gives micro-batches split the same way, each device keeping
-  its own rows: the split moves no data between devices. The order does not
-  change a mean over the whole batch; it does decide which rows micro-batch
-  ``i`` (and so the ``rng`` folded with ``i``) sees.
-
-  Raises:
-    ValueError: ``batch`` has no array leaves, a leaf has no leading axis,
-      the leaves' leading sizes differ, or they are not divisible by
-      ``num_microbatches``.
-  """
-  batch_size = leading_size(batch)
-  if batch_size % num_microbatches:
-    raise ValueError(
-      f"the leading size of batch ({batch_size}) must be divisible by"
-      f" num_microbatches ({num_microbatches})."
-    )
-  rows = batch_size // num_microbatches
-  return jax.tree.map(
-    lambda leaf: jnp.moveaxis(
-      jnp.reshape(leaf, (rows, num_microbatches, *jnp.shape(leaf)[1:])), 1, 0
-    ),
-    batch,
-  )
-
-
-def leading_size(batch: Any) -> int:
-  """The leading (batch) size shared by every leaf of ``batch``.
-
-  Raises:
-    ValueError: ``batch`` has no leaves, a leaf is a scalar, or the leaves'
-      leading sizes differ.
-  """
-  leaves_with_paths = jax.tree_util.tree_flatten_with_path(batch)[0]
-  if not leaves_with_paths:
-    raise ValueError(
-      "batch must be a pytree of arrays with a leading batch axis, got one"
-      " with no leaves."
-    )
-  sizes = {}
-  for path, leaf in leaves_with_paths:
-    shape = jnp.shape(leaf)
-    if not shape:
-      raise ValueError(
-        f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf of"
-        " batch needs a leading batch axis to split into micro-batches."
-        " Pass per-call constants as extra positional arguments instead."
-      )
-    sizes[jax.tree_util.keystr(path)] = shape[0]
-  if len(set(sizes.values())) > 1:
-    raise ValueError(
-      "every leaf of batch must have the same leading (batch) size, got"
-      f" {sizes}."
-    )
-  return next(iter(sizes.values()))
-
-
 def varying_axes(leaf: Any) -> frozenset[str]:
   """The manual axes ``leaf`` varies over (empty with ``check_vma=False``)."""
   # jax 0.10 and 0.11 keep them in the aval's manual-axis type; printed as
@@ -331,94 +243,3 @@ def cast_to_varying(tree: Any, axes: Axes) -> Any:
     return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
 
   return jax.tree.map(cast, tree)
-
-
-def split_arrays(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
-  """The array leaves of ``tree`` and a function that puts them back.
-
-  Non-array leaves (Python numbers, strings, modules' static parts) stay in
-  the closure: a ``shard_map`` takes arrays only, and closing over an array
-  that is sharded over Explicit axes is not supported.
-  """
-  leaves, treedef = jax.tree.flatten(tree)
-  is_array = [isinstance(leaf, (jax.Array, jnp.ndarray)) for leaf in leaves]
-  arrays = [leaf for leaf, array in zip(leaves, is_array, strict=True) if array]
-
-  def rebuild(new_arrays: Sequence[Any]) -> Any:
-    fed = iter(new_arrays)
-    merged = [
-      next(fed) if array else leaf
-      for leaf, array in zip(leaves, is_array, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, merged)
-
-  return arrays, rebuild
-
-
-def map_over_batch_axes(
-  per_device: Callable[..., Any],
-  axes: Axes,
-  replicated: Any,
-  batch: Any,
-  out_specs: Any,
-) -> Any:
-  """Runs ``per_device(replicated, batch)`` on each device's rows of ``batch``.
-
-  A ``jax.shard_map`` manual over ``axes`` only: other mesh axes (a model or
-  FSDP axis the parameters are sharded over) stay as they are. ``batch``
-  enters split over ``axes`` along its leading dimension; ``replicated`` (a
-  pytree whose array leaves are the parameters and per-call constants)
-  enters whole along ``axes``: under Explicit axes a leaf sharded over one of
-  them is gathered first, once per call (FSDP).
-
-  Args:
-    per_device: the per-device function; it sees ``replicated`` invarying
-      over ``axes`` and ``batch`` varying.
-    axes: the mesh axes the batch is sharded over.
-    replicated: arrays needed whole on every device.
-    batch: arrays split along their leading dimension over ``axes``.
-    out_specs: a prefix tree of the outputs' full partition specs, over
-      ``axes`` and the other mesh axes.
-
-  Returns:
-    What ``per_device`` returns, sharded as ``out_specs`` says.
-  """
-  types = mesh_axis_types()
-  if any(types[axis] == AxisType.Explicit for axis in axes):
-    replicated = jax.tree.map(
-      lambda leaf: (
-        jax.reshard(leaf, without_axes(spec_of(leaf), axes))
-        if set(axes) & _sharded_axes(spec_of(leaf))
-        else leaf
-      ),
-      replicated,
-    )
-  manual_specs = jax.tree.map(
-    lambda spec: without_axes(spec, set(types) - set(axes)),
-    out_specs,
-    is_leaf=lambda node: isinstance(node, PartitionSpec),
-  )
-  mapped = jax.shard_map(
-    per_device,
-    in_specs=(PartitionSpec(), PartitionSpec(axes)),
-    out_specs=manual_specs,
-    axis_names=set(axes),
-  )
-  other_explicit = tuple(
-    axis
-    for axis, axis_type in types.items()
-    if axis not in axes and axis_type == AxisType.Explicit
-  )
-  if other_explicit:
-    # In jax 0.10 a shard_map manual over some axes gathers operands that
-    # are sharded over other Explicit axes at its boundary (and slices them
-    # again after). Seen as Auto inside, they stay sharded, and the
-    # outputs come back with their full specs.
-    mapped = jax.sharding.auto_axes(
-      mapped, axes=other_explicit, out_sharding=out_specs
-    )
-  return mapped(replicated, batch)
-
-
-def _sharded_axes(spec: PartitionSpec) -> set[str]:
-  return {axis for entry in spec.partitions for axis in spec_entry_axes(entry)}

@@ -213,3 +213,40 @@ def check_flush(flush: Any) -> Any:
   raise TypeError(
     f"flush must be a Python bool or a boolean scalar array, got {flush!r}."
   )
+
+
+def is_array(leaf: Any) -> bool:
+  """A JAX or NumPy array (or NumPy scalar): what Equinox calls an array."""
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def is_inexact_array(leaf: Any) -> bool:
+  """A floating or complex array: a leaf that gradients are taken of."""
+  return is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+def check_array_leaves(tree: Any, name: str) -> None:
+  """Raises unless every leaf of ``tree`` is an array or a number.
+
+  Optax builds state with ``jnp.zeros_like`` of each leaf, so a parameter
+  tree that holds a function, a string or a module's static field (an
+  Equinox model as it is) fails deep inside with "Cannot determine dtype".
+  Equinox users already filter the model first; the error says so. Abstract
+  arrays (``jax.ShapeDtypeStruct``, tracers) and Python numbers pass.
+
+  Raises:
+    TypeError: a leaf is neither an array nor a number; the message names
+      the leaf and shows ``eqx.filter(model, eqx.is_array)``.
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if is_array(leaf) or isinstance(
+      leaf, (jax.ShapeDtypeStruct, numbers.Number)
+    ):
+      continue
+    raise TypeError(
+      f"{name} leaf {jax.tree_util.keystr(path)} is a"
+      f" {type(leaf).__name__} ({leaf!r:.60}), not an array: {name} must"
+      " hold arrays only. For an Equinox model, pass its arrays, with None"
+      " in place of the rest: tx.init(eqx.filter(model, eqx.is_array)), and"
+      " the same filtered tree as params to tx.update."
+    )

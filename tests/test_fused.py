@@ -2,11 +2,17 @@
 
 Its claim is an equivalence: ``fused.apply(params, grads, state)`` gives the
 params and state of ``accumulate`` + ``optax.apply_updates``, call after call,
-whatever the weights, flushes and non-finite micro-steps.
+whatever the weights, flushes and non-finite micro-steps. Both paths could be
+wrong the same way, so one test anchors the fused path to an independent
+large-batch run: ``jax.grad`` of each window's whole batch and the bare
+optimizer, with plain SGD (which a wrong gradient scale cannot slip past) and
+windows of unequal weight. Every comparison checks finiteness first: chex
+counts NaN equal to NaN.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -22,6 +28,7 @@ import optax
 import pytest
 
 import ga_optax
+from ga_optax.testing import max_relative_difference
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 OPTIMIZERS = {
@@ -63,11 +70,17 @@ def _comparable(params_and_state):
   return params, state._replace(accumulator=accumulator)
 
 
-def _run_both(optimizer_name, every_k, calls, use_jit, **kwargs):
-  """Runs ``calls`` (grads, weight, flush) through both paths."""
-  tx = ga_optax.accumulate(OPTIMIZERS[optimizer_name](), every_k, **kwargs)
+@functools.cache
+def _both_paths(optimizer_name, every_k, use_jit, skip_nonfinite=False):
+  """Both paths' init and step, built (and compiled) once per configuration.
+
+  Hypothesis draws the same configurations again and again: cached, their
+  steps compile once instead of once per example.
+  """
+  options = {"skip_nonfinite": skip_nonfinite}
+  tx = ga_optax.accumulate(OPTIMIZERS[optimizer_name](), every_k, **options)
   fused = ga_optax.accumulate_and_apply(
-    OPTIMIZERS[optimizer_name](), every_k, **kwargs
+    OPTIMIZERS[optimizer_name](), every_k, **options
   )
 
   def reference_step(params, state, grads, weight, flush):
@@ -80,6 +93,14 @@ def _run_both(optimizer_name, every_k, calls, use_jit, **kwargs):
   if use_jit:
     reference_step = jax.jit(reference_step)
     fused_step = jax.jit(fused_step)
+  return tx, reference_step, fused, fused_step
+
+
+def _run_both(optimizer_name, every_k, calls, use_jit, **kwargs):
+  """Runs ``calls`` (grads, weight, flush) through both paths."""
+  tx, reference_step, fused, fused_step = _both_paths(
+    optimizer_name, every_k, use_jit, **kwargs
+  )
   reference = (_params(), tx.init(_params()))
   actual = (_params(), fused.init(_params()))
   for grads, weight, flush in calls:
@@ -87,6 +108,8 @@ def _run_both(optimizer_name, every_k, calls, use_jit, **kwargs):
     flush = jnp.asarray(flush)
     reference = reference_step(*reference, grads, weight, flush)
     actual = fused_step(*actual, grads, weight, flush)
+    chex.assert_tree_all_finite(_comparable(reference))
+    chex.assert_tree_all_finite(_comparable(actual))
     chex.assert_trees_all_close(
       _comparable(actual), _comparable(reference), rtol=1e-6, atol=1e-7
     )
@@ -107,11 +130,18 @@ def _run_both(optimizer_name, every_k, calls, use_jit, **kwargs):
 def test_matches_accumulate_then_apply_updates(
   use_jit, optimizer_name, every_k, plan
 ):
+  # A last flushed call of weight 1 closes a window that holds weight:
+  # every example steps the optimizer at least once.
+  plan = [*plan, (1.0, True)]
   calls = [
     (_grads(seed), weight, flush) for seed, (weight, flush) in enumerate(plan)
   ]
   actual, _ = _run_both(optimizer_name, every_k, calls, use_jit)
   chex.assert_type(actual[1].micro_step, jnp.int32)
+  assert int(actual[1].update_step) >= 1
+  assert bool(ga_optax.emitted(actual[1]))
+  moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), actual[0], _params())
+  assert any(jax.tree.leaves(moved)), "the example never moved the params"
 
 
 @pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "nojit"])
@@ -122,6 +152,68 @@ def test_skip_nonfinite_matches_accumulate(use_jit):
   actual, _ = _run_both("clip_adamw", 2, calls, use_jit, skip_nonfinite=True)
   assert int(actual[1].num_skipped) == 2
   assert int(actual[1].update_step) == 2
+
+
+# The anchor: micro-batches of one fixed shape, their rows masked, so that
+# one compiled step serves every size; a micro-batch's weight is its number
+# of real rows.
+ROWS = 6
+# Three full windows of k = 3 and a flushed partial one: the windows hold 8,
+# 13, 12 and 5 real rows.
+WINDOW_SIZES = [[2, 5, 1], [4, 3, 6], [6, 6, 0], [3, 2]]
+
+
+def _masked_loss(params, batch):
+  errors = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2
+  rows = batch["mask"]
+  return jnp.sum(rows * errors.sum(-1)) / jnp.maximum(jnp.sum(rows), 1.0)
+
+
+def _micro_batch(seed: int, size: int) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(100 + seed)
+  return {
+    "x": jnp.asarray(rng.normal(size=(ROWS, 3)), jnp.float32),
+    "y": jnp.asarray(rng.normal(size=(ROWS, 4)), jnp.float32),
+    "mask": jnp.asarray(np.arange(ROWS) < size, jnp.float32),
+  }
+
+
+def test_weighted_windows_match_the_large_batch():
+  """The fused path against jax.grad of each window's batch and bare SGD."""
+  optimizer = optax.sgd(0.1)
+  fused = ga_optax.accumulate_and_apply(optimizer, 3)
+
+  @jax.jit
+  def micro_step(params, state, batch, flush):
+    grads = jax.grad(_masked_loss)(params, batch)
+    return fused.apply(
+      params, grads, state, weight=jnp.sum(batch["mask"]), flush=flush
+    )
+
+  @jax.jit
+  def large_batch_step(params, opt_state, batch):
+    grads = jax.grad(_masked_loss)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, state = _params(), fused.init(_params())
+  expected, opt_state = _params(), optimizer.init(_params())
+  seed = 0
+  for window_index, sizes in enumerate(WINDOW_SIZES):
+    window = []
+    for index, size in enumerate(sizes):
+      micro_batch = _micro_batch(seed, size)
+      seed += 1
+      window.append(micro_batch)
+      flush = window_index == len(WINDOW_SIZES) - 1 and index == len(sizes) - 1
+      params, state = micro_step(params, state, micro_batch, jnp.asarray(flush))
+    # The large batch: every micro-batch's rows, the masked ones included.
+    large_batch = jax.tree.map(lambda *parts: jnp.concatenate(parts), *window)
+    expected, opt_state = large_batch_step(expected, opt_state, large_batch)
+    chex.assert_tree_all_finite((params, expected))
+    chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
+  assert int(state.update_step) == len(WINDOW_SIZES)
+  assert max_relative_difference(expected, _params()) > 0.1
 
 
 def test_micro_step_leaves_params_bit_identical():

@@ -96,6 +96,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -185,38 +186,14 @@ ADAM_OPS = frozenset({"sqrt", "rsqrt", "divide", "power"})
 LION_OPS = frozenset({"sign"})
 # Opcodes that move, name or call values rather than compute on them; the
 # check counts only the others.
-STRUCTURAL_OPS = frozenset(
-  {
-    "parameter",
-    "constant",
-    "get-tuple-element",
-    "tuple",
-    "bitcast",
-    "bitcast-convert",
-    "copy",
-    "copy-start",
-    "copy-done",
-    "broadcast",
-    "reshape",
-    "transpose",
-    "slice",
-    "dynamic-slice",
-    "dynamic-update-slice",
-    "concatenate",
-    "pad",
-    "iota",
-    "convert",
-    "fusion",
-    "call",
-    "conditional",
-    "while",
-    "custom-call",
-    "async-start",
-    "async-update",
-    "async-done",
+STRUCTURAL_OPS = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+    "bitcast-convert", "copy", "copy-start", "copy-done", "broadcast",
+    "reshape", "transpose", "slice", "dynamic-slice", "dynamic-update-slice",
+    "concatenate", "pad", "iota", "convert", "fusion", "call", "conditional",
+    "while", "custom-call", "async-start", "async-update", "async-done",
     "opt-barrier",
-  }
-)
+})  # fmt: skip
 _ARRAY = re.compile(r"^([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _TRUE_BRANCH = re.compile(r"true_computation=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -605,7 +582,13 @@ def in_step_workloads(quick: bool) -> list[workloads_lib.Workload]:
   found = time_workloads(quick)
   if jax.devices()[0].platform == "gpu" and not quick:
     large = workloads_lib.mlp(width=2048, depth=4, microbatch=512, every_k=8)
-    found.append(dataclasses.replace(large, name="mlp, large window"))
+    found.append(
+      dataclasses.replace(
+        large,
+        name="mlp, large window",
+        description="MLP 4x2048x2048, 4096 rows in 8 micro-batches",
+      )
+    )
   return found
 
 
@@ -630,17 +613,7 @@ def step_time_section(
     plain = results["plain Adam step"]
     multi_steps = results["optax.MultiSteps"]
     record["ratios"] = {
-      name: {
-        "micro_over_plain_adam": results[name]["micro_ms"] / plain["micro_ms"],
-        "closing_over_plain_adam": results[name]["closing_ms"]
-        / plain["micro_ms"],
-        "micro_over_multi_steps_micro": results[name]["micro_ms"]
-        / multi_steps["micro_ms"],
-        "closing_over_multi_steps_closing": results[name]["closing_ms"]
-        / multi_steps["closing_ms"],
-        "temp_over_plain_adam": results[name]["temp_bytes"]
-        / max(plain["temp_bytes"], 1),
-      }
+      name: _step_ratios(results[name], plain, multi_steps)
       for name in STEP_ROWS
       if name in results
     }
@@ -649,10 +622,28 @@ def step_time_section(
   return records
 
 
+def _step_ratios(
+  result: dict[str, Any], plain: dict[str, Any], multi_steps: dict[str, Any]
+) -> dict[str, float]:
+  """A contender's micro-step and closing step against plain Adam's step
+  and MultiSteps' own, and its temporaries against plain Adam's."""
+  return {
+    "micro_over_plain_adam": result["micro_ms"] / plain["micro_ms"],
+    "closing_over_plain_adam": result["closing_ms"] / plain["micro_ms"],
+    "micro_over_multi_steps_micro": result["micro_ms"]
+    / multi_steps["micro_ms"],
+    "closing_over_multi_steps_closing": result["closing_ms"]
+    / multi_steps["closing_ms"],
+    "temp_over_plain_adam": result["temp_bytes"] / max(plain["temp_bytes"], 1),
+  }
+
+
 # -- 4. In-step window -------------------------------------------------------
 
 
-def hand_written_scan(loss_fn: Callable[..., Any], num_microbatches: int):
+def hand_written_scan(
+  loss_fn: Callable[..., Any], num_microbatches: int
+) -> Callable[..., Any]:
   """Value and gradient of the mean loss, one ``lax.scan`` over
   contiguous micro-batches: what a user would write by hand."""
   value_and_grad = jax.value_and_grad(loss_fn)
@@ -676,7 +667,7 @@ def hand_written_scan(loss_fn: Callable[..., Any], num_microbatches: int):
 
 def in_step_contenders(
   workload: workloads_lib.Workload,
-) -> tuple[dict[str, Callable[..., Any]], str | None]:
+) -> tuple[dict[str, Any], str | None]:
   """The jitted ``(params, batch) -> (loss, grads)`` windows to compare, and
   why optax.microbatching is missing, if it is."""
   loss_fn, k = workload.loss_fn, workload.every_k
@@ -763,6 +754,8 @@ class MemoryModel:
 
 
 def memory_model(quick: bool) -> MemoryModel:
+  """Sizes where activations outweigh the state at k = 1 and the state
+  outweighs them at k = 32."""
   if quick:
     return MemoryModel(width=128, depth=2, global_batch=256, ks=(1, 4, 32))
   return MemoryModel(width=2048, depth=4, global_batch=8192)
@@ -917,7 +910,9 @@ def largest_fitting(
   }
 
 
-def memory_budget(requested_mib: float | None, fraction: float, quick: bool):
+def memory_budget(
+  requested_mib: float | None, fraction: float, quick: bool
+) -> tuple[int, str]:
   """The bytes a step may use, and where that figure comes from."""
   stats = jax.devices()[0].memory_stats() or {}
   if requested_mib is not None:
@@ -935,7 +930,9 @@ def memory_budget(requested_mib: float | None, fraction: float, quick: bool):
   )
 
 
-def peak_bytes(model: MemoryModel, kind: str, every_k: int, rows: int):
+def peak_bytes(
+  model: MemoryModel, kind: str, every_k: int, rows: int
+) -> dict[str, Any]:
   """Runs one memory step in a fresh process of this script: its peak."""
   spec = json.dumps(
     {
@@ -1028,9 +1025,7 @@ def memory_section(
   }
   largest = {
     name: largest_fitting(
-      lambda rows, kind=kind, every_k=every_k: probe.compiled_bytes(
-        kind, every_k, rows
-      ),
+      functools.partial(probe.compiled_bytes, kind, every_k),
       budget,
       unit=unit,
       max_rows=2**22,
@@ -1111,6 +1106,12 @@ def _bytes_cell(entry: dict[str, Any] | None) -> str:
   return text
 
 
+def _ratio_cell(ratios: dict[str, dict[str, float]], figure: str) -> str:
+  """A figure from compiled bytes, then from peaks where measured."""
+  values = ratios.get(figure, {}).values()
+  return " / ".join(f"{value:.3f}" for value in values) or "n/a"
+
+
 def _counts(counts: dict[str, int]) -> str:
   return ", ".join(f"{op} {count}" for op, count in counts.items() if count)
 
@@ -1137,32 +1138,45 @@ def _conditional_table(records: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-  """The report's tables."""
+  """The report's tables, one section after another."""
+  backend = report["environment"]["backend"]
+  return "\n".join(
+    _header_lines(report)
+    + _conditional_lines(report["conditionals"], backend)
+    + _step_time_lines(report["step_time"], backend)
+    + _in_step_lines(report["in_step"], backend)
+    + _memory_lines(report["memory"], backend)
+  )
+
+
+def _header_lines(report: dict[str, Any]) -> list[str]:
   env = report["environment"]
-  backend = env["backend"]
-  device = env["device"]
-  lines = [
+  device, versions = env["device"], env["versions"]
+  plugins = "".join(
+    f", {name} {version}" for name, version in versions["plugins"].items()
+  )
+  return [
     "# ga_optax GPU run book",
     "",
     f"**{env['label']}.**",
     "",
     f"- Date: {env['date']}; elapsed {report['elapsed_s']:.0f} s",
-    f"- Device: {device['kind']} ({backend}, {device['count']} device(s),"
-    f" platform version {device['platform_version']}); memory kinds"
-    f" {', '.join(device['memory_kinds'])}",
-    f"- Versions: jax {env['versions']['jax']}, jaxlib"
-    f" {env['versions']['jaxlib']}, optax {env['versions']['optax']},"
-    f" ga_optax {env['versions']['ga_optax']}"
-    + "".join(
-      f", {name} {version}"
-      for name, version in env["versions"]["plugins"].items()
-    ),
+    f"- Device: {device['kind']} ({env['backend']}, {device['count']}"
+    f" device(s), platform version {device['platform_version']}); memory"
+    f" kinds {', '.join(device['memory_kinds'])}",
+    f"- Versions: jax {versions['jax']}, jaxlib {versions['jaxlib']}, optax"
+    f" {versions['optax']}, ga_optax {versions['ga_optax']}{plugins}",
     f"- XLA_FLAGS: `{env['xla_flags'] or '(unset)'}`",
     f"- Machine: {env['machine']['platform']},"
     f" {env['machine']['cpu_count']} CPU cores, Python"
     f" {env['machine']['python']}",
     f"- Command: `{env['command']}`",
     "",
+  ]
+
+
+def _conditional_lines(section: dict[str, Any], backend: str) -> list[str]:
+  lines = [
     f"## Conditionals of the window, compiled for {backend}",
     "",
     "compiled: `conditional` instructions in the program compiled for this"
@@ -1171,23 +1185,26 @@ def markdown(report: dict[str, Any]) -> str:
     " compiler ran XLA:GPU's index rewrite. Ops are parameter-sized; see the"
     " script's docstring for the check.",
     "",
-    *_conditional_table(report["conditionals"]["matrix"]),
+    *_conditional_table(section["matrix"]),
     "",
   ]
-  for name, reason in report["conditionals"]["skipped"].items():
+  for name, reason in section["skipped"].items():
     lines += [f"Skipped {name}: {reason}.", ""]
-  lines += [
+  return [
+    *lines,
     "Controls, which the checks must flag: MultiSteps is never confined; a"
     " zeros branch beside the optimizer's is lost in the emulation"
     " (emulated 0), and in a compilation whose index is `pred` (compiled 0,"
     " not confined: ops outside, or extra ops for SGD):",
     "",
-    *_conditional_table(report["conditionals"]["controls"]),
-    "",
-    f"## Step time on {backend}",
+    *_conditional_table(section["controls"]),
     "",
   ]
-  for record in report["step_time"].values():
+
+
+def _step_time_lines(section: dict[str, Any], backend: str) -> list[str]:
+  lines = [f"## Step time on {backend}", ""]
+  for record in section.values():
     lines += [
       f"### {record['description']}",
       "",
@@ -1203,11 +1220,7 @@ def markdown(report: dict[str, Any]) -> str:
       result = record["contenders"][name]
       lines.append(
         f"| {name} | {result['micro_ms']:.3f} | {result['closing_ms']:.3f} |"
-        f" {ratios['micro_over_plain_adam']:.2f} |"
-        f" {ratios['closing_over_plain_adam']:.2f} |"
-        f" {ratios['micro_over_multi_steps_micro']:.2f} |"
-        f" {ratios['closing_over_multi_steps_closing']:.2f} |"
-        f" {ratios['temp_over_plain_adam']:.2f} |"
+        + "".join(f" {value:.2f} |" for value in ratios.values())
       )
     lines += [
       "",
@@ -1221,8 +1234,12 @@ def markdown(report: dict[str, Any]) -> str:
         f" {met} |"
       )
     lines.append("")
-  lines += [f"## In-step window on {backend}", ""]
-  for record in report["in_step"].values():
+  return lines
+
+
+def _in_step_lines(section: dict[str, Any], backend: str) -> list[str]:
+  lines = [f"## In-step window on {backend}", ""]
+  for record in section.values():
     lines += [
       f"### {record['description']}",
       "",
@@ -1242,8 +1259,7 @@ def markdown(report: dict[str, Any]) -> str:
         f" {result['max_relative_difference_to_full_batch']:.1e} |"
       )
     lines.append("")
-  lines += _memory_lines(report["memory"], backend)
-  return "\n".join(lines)
+  return lines
 
 
 def _memory_lines(memory: dict[str, Any], backend: str) -> list[str]:
@@ -1263,23 +1279,21 @@ def _memory_lines(memory: dict[str, Any], backend: str) -> list[str]:
     "",
     "| k | micro-batch | plain step on it | accumulate micro-step |"
     " accumulate / (plain + accumulator) | accumulator on host |"
-    " host / plain | in-step window | window / large batch |",
-    "|---:|---:|---|---|---:|---|---:|---|---:|",
+    " host / plain | host / on device | in-step window |"
+    " window / large batch |",
+    "|---:|---:|---|---|---:|---|---:|---:|---|---:|",
   ]
   for row in memory["by_k"]:
-
-    def ratio(figure: str, ratios: dict[str, Any] = row["ratios"]) -> str:
-      values = ratios.get(figure, {})
-      return " / ".join(f"{value:.3f}" for value in values.values()) or "n/a"
-
+    ratios = row["ratios"]
     lines.append(
       f"| {row['every_k']} | {row['microbatch']} |"
       f" {_bytes_cell(row['plain'])} | {_bytes_cell(row['accumulate'])} |"
-      f" {ratio('accumulate / (micro-batch run + accumulator)')} |"
-      f" {_bytes_cell(row.get('accumulate_host'))} |"
-      f" {ratio('accumulator on host / micro-batch run')} |"
+      f" {_ratio_cell(ratios, 'accumulate / (micro-batch run + accumulator)')}"
+      f" | {_bytes_cell(row.get('accumulate_host'))} |"
+      f" {_ratio_cell(ratios, 'accumulator on host / micro-batch run')} |"
+      f" {_ratio_cell(ratios, 'accumulator on host / on device')} |"
       f" {_bytes_cell(row['window'])} |"
-      f" {ratio('in-step window / large batch')} |"
+      f" {_ratio_cell(ratios, 'in-step window / large batch')} |"
     )
   lines += [
     "",

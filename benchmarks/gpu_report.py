@@ -883,7 +883,13 @@ def largest_fitting(
     return measured[units]
 
   if measure(1) > budget:
-    return {"rows": None, "bytes": measured[1], "next_rows": unit}
+    return {
+      "rows": None,
+      "bytes": None,
+      "next_rows": unit,
+      "next_bytes": measured[1],
+      "compilations": 1,
+    }
   low, high = 1, max(max_rows // unit, 1) + 1
   previous, size = 1, max(first_rows // unit, 2)
   while high - low > 1:

@@ -5,6 +5,12 @@ micro-steps. Under ``vmap`` the window-closing ``lax.cond`` has a batched
 predicate and becomes a select: both branches run, so every micro-step pays
 for an optimizer step, but the results must still be those of the separate
 runs, even when the models' windows are out of phase.
+
+Those runs are ga_optax too, so the last tests anchor the transformations to
+an independent large-batch run: ``jax.grad`` of each window's whole batch
+and the bare optimizer, with plain SGD (a wrong gradient scale shows) and
+windows of unequal weight, under ``jit``, ``lax.scan``, ``vmap`` and
+``pmap`` with ``axis_name``.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 
 import ga_optax
+from ga_optax.testing import max_relative_difference
 
 NUM_MODELS = 3
 NUM_MICRO_STEPS = 8
@@ -220,3 +229,159 @@ def test_pmap_over_one_device_matches_the_unbatched_run():
 
 def test_pmap_over_two_devices_matches_the_unbatched_run():
   _pmap_run(2)
+
+
+# The anchor: plain SGD against jax.grad of each window's whole batch.
+
+ANCHOR_K = 3
+ANCHOR_ROWS = 4
+ANCHOR_OPTIMIZER = optax.sgd(0.1)
+
+
+def _anchor_params(model: int) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(model)
+  return {
+    "w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32),
+    "b": jnp.zeros((2,), jnp.float32),
+  }
+
+
+def _anchor_calls(model: int) -> list[tuple[Any, jax.Array]]:
+  """One model's micro-batches (rows masked to 1..4 real ones) and flushes.
+
+  Model 1 flushes a window of one micro-batch: its windows fall out of
+  phase with model 0's, and they all hold unequal numbers of real rows.
+  """
+  rng = np.random.default_rng(20 + model)
+  calls = []
+  for index in range(NUM_MICRO_STEPS):
+    real_rows = int(rng.integers(1, ANCHOR_ROWS + 1))
+    batch = {
+      "x": jnp.asarray(rng.normal(size=(ANCHOR_ROWS, 3)), jnp.float32),
+      "y": jnp.asarray(rng.normal(size=(ANCHOR_ROWS, 2)), jnp.float32),
+      "mask": jnp.asarray(np.arange(ANCHOR_ROWS) < real_rows, jnp.float32),
+    }
+    calls.append((batch, jnp.bool_(model == 1 and index == 3)))
+  return calls
+
+
+def _masked_mean_loss(params, batch):
+  errors = ((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2).sum(-1)
+  return jnp.sum(batch["mask"] * errors) / jnp.maximum(
+    jnp.sum(batch["mask"]), 1
+  )
+
+
+def _anchor_step(tx, params, state, batch, flush):
+  grads = jax.grad(_masked_mean_loss)(params, batch)
+  weight = jnp.sum(batch["mask"])
+  updates, state = tx.update(grads, state, params, weight=weight, flush=flush)
+  return optax.apply_updates(params, updates), state
+
+
+def _large_batch_run(params: Any, windows: list[list[Any]]) -> Any:
+  """The bare optimizer once per window, on the gradient of all its rows."""
+  state = ANCHOR_OPTIMIZER.init(params)
+  for window in windows:
+    batch = jax.tree.map(lambda *parts: jnp.concatenate(parts), *window)
+    grads = jax.grad(_masked_mean_loss)(params, batch)
+    updates, state = ANCHOR_OPTIMIZER.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def _closed_windows(calls: list[tuple[Any, jax.Array]]) -> list[list[Any]]:
+  """The windows that close (full, or flushed) over ``calls``."""
+  windows, open_window = [], []
+  for batch, flush in calls:
+    open_window.append(batch)
+    if len(open_window) == ANCHOR_K or bool(flush):
+      windows.append(open_window)
+      open_window = []
+  return windows
+
+
+def _assert_matches_large_batch(params: Any, model: int) -> None:
+  windows = _closed_windows(_anchor_calls(model))
+  expected = _large_batch_run(_anchor_params(model), windows)
+  chex.assert_tree_all_finite((params, expected))
+  chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
+  moved = max_relative_difference(expected, _anchor_params(model))
+  assert moved > 0.05, moved
+
+
+@pytest.mark.parametrize("transformation", ["jit", "scan", "vmap"])
+def test_accumulate_matches_the_large_batch(transformation):
+  tx = ga_optax.accumulate(ANCHOR_OPTIMIZER, ANCHOR_K)
+  step = functools.partial(_anchor_step, tx)
+  models = [0, 1]
+  if transformation == "jit":
+    for model in models:
+      params = _anchor_params(model)
+      state = tx.init(params)
+      for batch, flush in _anchor_calls(model):
+        params, state = jax.jit(step)(params, state, batch, flush)
+      _assert_matches_large_batch(params, model)
+    return
+  if transformation == "scan":
+    for model in models:
+      params = _anchor_params(model)
+      calls = jax.tree.map(
+        lambda *leaves: jnp.stack(leaves), *_anchor_calls(model)
+      )
+
+      def body(carry, call):
+        return step(*carry, *call), None
+
+      (params, _), _ = jax.jit(
+        lambda params, calls: jax.lax.scan(
+          body, (params, tx.init(params)), calls
+        )
+      )(params, calls)
+      _assert_matches_large_batch(params, model)
+    return
+  # vmap: the two models side by side, their windows out of phase.
+  batched = jax.jit(jax.vmap(step))
+  params = _stack([_anchor_params(model) for model in models])
+  state = jax.vmap(tx.init)(params)
+  per_model = [_anchor_calls(model) for model in models]
+  for calls in zip(*per_model, strict=True):
+    params, state = batched(
+      params, state, *map(_stack, zip(*calls, strict=True))
+    )
+  for model in models:
+    _assert_matches_large_batch(_unstack(params, len(models))[model], model)
+
+
+def test_pmap_over_two_devices_matches_the_large_batch():
+  """axis_name under pmap: the global token-weighted mean, not the sum.
+
+  Each device holds its own micro-batches (model d's stream); a window
+  closes on the global count, and its large batch is every device's rows.
+  """
+  num_devices = 2
+  tx = ga_optax.accumulate(ANCHOR_OPTIMIZER, ANCHOR_K, axis_name="data")
+  step = jax.pmap(
+    functools.partial(_anchor_step, tx),
+    axis_name="data",
+    in_axes=(None, None, 0, None),
+    out_axes=(None, None),
+    devices=jax.local_devices()[:num_devices],
+  )
+  params = _anchor_params(0)
+  state = tx.init(params)
+  streams = [
+    [batch for batch, _ in _anchor_calls(device)]
+    for device in range(num_devices)
+  ]
+  windows: list[list[Any]] = []
+  for index, per_device in enumerate(zip(*streams, strict=True)):
+    params, state = step(params, state, _stack(list(per_device)), False)
+    if index % ANCHOR_K == 0:
+      windows.append([])
+    windows[-1].extend(per_device)
+  closed = windows[: NUM_MICRO_STEPS // ANCHOR_K]
+  expected = _large_batch_run(_anchor_params(0), closed)
+  assert int(state.update_step) == len(closed)
+  chex.assert_tree_all_finite((params, expected))
+  chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)

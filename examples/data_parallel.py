@@ -456,6 +456,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
       "first_loss": result.losses[0],
       "final_loss": result.losses[-1],
       "test_accuracy": accuracies[run.name],
+      # Checked on its own: NaN where the reference has NaN counts as
+      # equal in the difference below.
+      "params_finite": all(
+        np.isfinite(leaf).all()
+        for leaf in jax.tree.leaves(jax.device_get(result.params))
+      ),
       "max_param_difference": max_relative_difference(
         jax.device_get(result.params), jax.device_get(results[reference].params)
       ),

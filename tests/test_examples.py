@@ -2,6 +2,8 @@
 
 Each example's claim is checked, not just that it runs: ga_optax ends on the
 large-batch parameters (to float32 rounding) and the naive loop does not.
+Every run's parameters are checked to be finite first: the differences
+compare NaN with NaN as equal.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import pytest
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
 # Far above float32 rounding accumulated over a few Adam steps, far below
-# what a wrongly normalised gradient moves the parameters by.
+# what a wrongly normalised gradient moves the parameters by. The examples
+# report max_relative_difference: per leaf, relative to the largest value.
 EQUIVALENT = 1e-5
 
 
@@ -135,6 +138,8 @@ def write_fake_fashion_mnist(directory: Path, num_train: int, num_test: int):
 
 
 def assert_ga_matches_and_naive_does_not(results, ga_names, naive_name):
+  for name, row in results.items():
+    assert row["params_finite"], name
   for name in ga_names:
     assert results[name]["max_param_difference"] < EQUIVALENT, name
   assert results[naive_name]["max_param_difference"] > 10 * EQUIVALENT
@@ -156,7 +161,6 @@ def test_classifier_on_fashion_mnist_files(classifier, tmp_path, capsys):
   assert_ga_matches_and_naive_does_not(
     results, ["ga_optax.accumulate"], "naive loop (/ k)"
   )
-  assert results["large batch"]["max_param_difference"] == 0.0
   assert (tmp_path / "classifier_losses.png").stat().st_size > 0
   printed = capsys.readouterr().out
   assert (
@@ -285,9 +289,9 @@ def test_data_parallel_reduces_once_per_window_and_matches_the_large_batch(
     "reduced every micro-step",
   ]
   reference = results["large batch"]
-  assert reference["max_param_difference"] == 0.0
   assert reference["first_loss"] - reference["final_loss"] > 0.1
   for name, row in results.items():
+    assert row["params_finite"], name
     assert row["max_param_difference"] < EQUIVALENT, name
     assert row["max_loss_difference"] < EQUIVALENT, name
   # The claim: the gradients cross the devices once per window, not once

@@ -1,11 +1,11 @@
-"""Token-weighted accumulation on a small Transformer LM with padded sequences.
+"""Token-weighted accumulation on a small Transformer LM trained on English text.
 
 A language model's loss is the mean over *real* tokens, padding excluded. When
 a large batch is split into micro-batches, each micro-batch holds a different
 number of real tokens, so the mean of the micro-batch means is not the
 large-batch loss: the tokens of short micro-batches count for more. This
 script trains one Flax NNX Transformer from the same initial parameters, on
-the same batches, several ways, and reports how far each run ends from the
+the same batches, four ways, and reports how far each run ends from the
 large batch:
 
 1. the large batch, with the token-mean loss;
@@ -16,24 +16,34 @@ large batch:
 4. ``ga_optax.microbatched_value_and_grad`` with a ``weight_fn`` that counts
    real tokens: the whole window in one jitted step.
 
-The sequences come from a synthetic grammar: counting sequences
-``BOS a, a+s, a+2s, ... EOS`` (modulo the alphabet) with a random start ``a``,
-stride ``s`` and length, padded to a fixed width. Half are short and half are
-long, so micro-batches differ widely in their token counts.
+The text is the interpreter's own help texts, ``pydoc_data.topics``, which
+ships with every Python installation (79 topics, about 465 KB; the wording
+changes a little from one Python release to the next). Each topic is cut
+into paragraphs at blank lines, and each paragraph at sentence ends into
+sequences of at most ``--max-len`` bytes: whole sentences, as many as fit,
+and a sentence longer than that cut at its last space before the limit. The
+tokens are the UTF-8 bytes between BOS and EOS, padded to a common width. A
+heading holds a few bytes, a paragraph of prose the full width, so the
+micro-batches hold different numbers of real tokens.
 
-The script prints a results table and writes a PNG plot to
-``./ga_optax_output/lm_token_weighting`` under the current directory
-(``--output-dir`` changes it).
+The defaults take about a minute on a CPU; ``--preset gpu`` is a longer run
+of a larger model for a GPU. The script prints a results table and writes a
+PNG plot to ``./ga_optax_output/lm_token_weighting`` under the current
+directory (``--output-dir`` changes it).
 
     python examples/lm_token_weighting.py
+    python examples/lm_token_weighting.py --preset gpu
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any, NamedTuple
 
 import jax
@@ -52,38 +62,82 @@ DEFAULT_OUTPUT_DIR = Path("ga_optax_output", "lm_token_weighting")
 
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3
-ALPHABET = 16
-VOCAB_SIZE = NUM_SPECIAL + ALPHABET
+VOCAB_SIZE = NUM_SPECIAL + 256
+
+PARAGRAPH_BREAK = re.compile(rb"\n[ \t]*\n\s*")
+SENTENCE_END = re.compile(rb"[.!?]\s+")
+WHITESPACE = re.compile(rb"\s")
+
+# The sizes of a run, chosen by --preset; any option given overrides them.
+# The gpu preset's 300 updates of 64 read its 3,300 or so training sequences
+# about six times.
+PRESETS: dict[str, dict[str, int]] = {
+  "cpu": {
+    "steps": 100,
+    "batch_size": 32,
+    "every_k": 4,
+    "max_len": 128,
+    "dim": 64,
+    "num_heads": 4,
+    "num_layers": 2,
+  },
+  "gpu": {
+    "steps": 300,
+    "batch_size": 64,
+    "every_k": 8,
+    "max_len": 256,
+    "dim": 256,
+    "num_heads": 8,
+    "num_layers": 4,
+  },
+}
+LEARNING_RATES = {"adam": 3e-3, "sgd": 0.3}
+HELD_OUT_SEQUENCES = 256
 
 
-def make_sequences(
-  rng: np.random.Generator, count: int, max_symbols: int
-) -> np.ndarray:
-  """Padded counting sequences, an int32 array of shape (count, max_symbols + 2).
+def cut_paragraph(paragraph: bytes, max_len: int) -> list[bytes]:
+  """Cuts a paragraph into pieces of at most ``max_len`` bytes.
 
-  Each row is ``BOS, a, a + s, a + 2 s, ..., EOS, PAD, ...`` over an alphabet
-  of ``ALPHABET`` symbols (arithmetic modulo ``ALPHABET``). Half of the rows
-  hold 1 to ``max_symbols // 5`` symbols, the other half up to
-  ``max_symbols``: the real-token counts of micro-batches vary widely.
+  Each piece ends at the last sentence end that fits; where none fits, at
+  the last whitespace that does, and where there is none, at ``max_len``.
+  Whitespace around the pieces is dropped.
   """
-  short_max = max(1, max_symbols // 5)
-  long_min = min(max_symbols, 2 * short_max)
-  is_short = rng.random(count) < 0.5
-  lengths = np.where(
-    is_short,
-    rng.integers(1, short_max + 1, count),
-    rng.integers(long_min, max_symbols + 1, count),
-  )
-  starts = rng.integers(0, ALPHABET, count)
-  strides = rng.integers(1, 4, count)
-  tokens = np.full((count, max_symbols + 2), PAD, dtype=np.int32)
+  sentence_ends = [match.end() for match in SENTENCE_END.finditer(paragraph)]
+  pieces = []
+  start = 0
+  while start < len(paragraph):
+    limit = start + max_len
+    if limit >= len(paragraph):
+      stop = len(paragraph)
+    elif fitting := [end for end in sentence_ends if start < end <= limit]:
+      stop = fitting[-1]
+    elif spaces := list(WHITESPACE.finditer(paragraph, start, limit)):
+      stop = spaces[-1].end()
+    else:
+      stop = limit
+    if piece := paragraph[start:stop].strip():
+      pieces.append(piece)
+    start = stop
+  return pieces
+
+
+def text_sequences(texts: Sequence[str], max_len: int) -> np.ndarray:
+  """The texts as padded byte sequences, int32 of shape (count, max_len + 2).
+
+  Each row is ``BOS, bytes..., EOS, PAD, ...``, a byte ``b`` being token
+  ``NUM_SPECIAL + b``; rows never cross a paragraph break.
+  """
+  pieces = [
+    piece
+    for text in texts
+    for paragraph in PARAGRAPH_BREAK.split(text.encode("utf-8"))
+    for piece in cut_paragraph(paragraph.strip(), max_len)
+  ]
+  tokens = np.full((len(pieces), max_len + 2), PAD, dtype=np.int32)
   tokens[:, 0] = BOS
-  for row, (length, start, stride) in enumerate(
-    zip(lengths, starts, strides, strict=True)
-  ):
-    symbols = (start + stride * np.arange(length)) % ALPHABET
-    tokens[row, 1 : length + 1] = NUM_SPECIAL + symbols
-    tokens[row, length + 1] = EOS
+  for row, piece in zip(tokens, pieces, strict=True):
+    row[1 : len(piece) + 1] = NUM_SPECIAL + np.frombuffer(piece, np.uint8)
+    row[len(piece) + 1] = EOS
   return tokens
 
 
@@ -169,8 +223,15 @@ class Run(NamedTuple):
   optimizer: optax.GradientTransformation
 
 
+def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+  """The optimizer every run steps with (wrapped by the accumulating ones)."""
+  if args.optimizer == "sgd":
+    return optax.sgd(args.learning_rate)
+  return optax.adam(args.learning_rate)
+
+
 def large_batch_run(loss: Callable, args: argparse.Namespace) -> Run:
-  optimizer = optax.adam(args.learning_rate)
+  optimizer = make_optimizer(args)
   value_and_grad = jax.value_and_grad(loss)
 
   @jax.jit
@@ -188,7 +249,7 @@ def accumulate_runs(loss: Callable, args: argparse.Namespace) -> list[Run]:
   Returns the naive run (every micro-batch weighs 1) and the token-weighted
   run. They share one compiled micro-step, ``weighted`` being an argument.
   """
-  optimizer = ga_optax.accumulate(optax.adam(args.learning_rate), args.every_k)
+  optimizer = ga_optax.accumulate(make_optimizer(args), args.every_k)
   value_and_grad = jax.value_and_grad(loss)
 
   @jax.jit
@@ -224,7 +285,7 @@ def accumulate_runs(loss: Callable, args: argparse.Namespace) -> list[Run]:
 
 def microbatched_run(loss: Callable, args: argparse.Namespace) -> Run:
   """``ga_optax.microbatched_value_and_grad``: one jitted step per window."""
-  optimizer = optax.adam(args.learning_rate)
+  optimizer = make_optimizer(args)
   value_and_grad = ga_optax.microbatched_value_and_grad(
     loss, args.every_k, weight_fn=count_real_tokens
   )
@@ -267,7 +328,9 @@ def plot(
       distance_axes.plot(distances[name], label=name, **style)
   loss_axes.set_title("training loss (token mean over each large batch)")
   loss_axes.set_yscale("log")
-  distance_axes.set_title("||params - large-batch params|| / ||params||")
+  distance_axes.set_title(
+    "||params - large-batch params|| / ||large-batch params||"
+  )
   distance_axes.set_yscale("log")
   for axes in (loss_axes, distance_axes):
     axes.set_xlabel("optimizer update")
@@ -278,14 +341,43 @@ def plot(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=100, help="updates")
-  parser.add_argument("--batch-size", type=int, default=32, help="sequences")
-  parser.add_argument("--every-k", type=int, default=4)
-  parser.add_argument("--max-symbols", type=int, default=30)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--num-heads", type=int, default=4)
-  parser.add_argument("--num-layers", type=int, default=2)
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
+  parser.add_argument(
+    "--preset",
+    choices=tuple(PRESETS),
+    default="cpu",
+    help="the sizes below: about a minute on a CPU (default), or a longer"
+    " run of a larger model for a GPU; an option given overrides its preset",
+  )
+
+  def sized(flag: str, what: str) -> None:
+    key = flag.removeprefix("--").replace("-", "_")
+    cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
+    parser.add_argument(
+      flag, type=int, help=f"{what} (cpu preset: {cpu}, gpu preset: {gpu})"
+    )
+
+  sized("--steps", "optimizer updates")
+  sized("--batch-size", "sequences per update")
+  sized("--every-k", "micro-batches per update")
+  sized("--max-len", "most bytes of text per sequence")
+  sized("--dim", "model width")
+  sized("--num-heads", "attention heads")
+  sized("--num-layers", "Transformer blocks")
+  parser.add_argument(
+    "--optimizer",
+    choices=tuple(LEARNING_RATES),
+    default="adam",
+    help="adam (default), or plain sgd, whose update is proportional to the"
+    " gradient: a gradient of the wrong scale shows in full, where Adam"
+    " divides most of it out",
+  )
+  parser.add_argument(
+    "--learning-rate",
+    type=float,
+    help=", ".join(
+      f"default with {name}: {rate:g}" for name, rate in LEARNING_RATES.items()
+    ),
+  )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument(
     "--output-dir",
@@ -300,6 +392,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="hide the progress bar",
   )
   args = parser.parse_args(argv)
+  for key, value in PRESETS[args.preset].items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  if args.learning_rate is None:
+    args.learning_rate = LEARNING_RATES[args.optimizer]
   if args.batch_size % args.every_k:
     parser.error(
       f"--batch-size ({args.batch_size}) must be a multiple of --every-k"
@@ -308,15 +405,81 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
+def load_text(
+  args: argparse.Namespace, rng: np.random.Generator
+) -> tuple[list[np.ndarray], np.ndarray]:
+  """The training batches, in order, and the held-out sequences."""
+  sequences = text_sequences(list(topics.values()), args.max_len)
+  order = rng.permutation(len(sequences))
+  held_out = sequences[order[:HELD_OUT_SEQUENCES]]
+  train = sequences[order[HELD_OUT_SEQUENCES:]]
+  needed = args.steps * args.batch_size
+  # Each epoch visits the training sequences in a new order.
+  epochs = -(-needed // len(train))
+  rows = np.concatenate([rng.permutation(len(train)) for _ in range(epochs)])
+  lengths = (sequences[:, 1:] != PAD).sum(axis=1) - 1
+  print(
+    f"text: Python {platform.python_version()}'s"
+    f" pydoc_data.topics, {len(topics)} help texts ->"
+    f" {len(sequences)} sequences of {lengths.min()} to {lengths.max()}"
+    f" bytes (mean {lengths.mean():.0f}); {len(train)} to train on"
+    f" ({needed / len(train):.1f} epochs), {len(held_out)} held out"
+  )
+  return np.split(train[rows[:needed]], args.steps), held_out
+
+
+def train(
+  runs: dict[str, Run],
+  initial_params: Any,
+  batches: list[np.ndarray],
+  progress: bool,
+) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, list[float]]]:
+  """Trains every run on the batches, in lockstep.
+
+  Returns each run's final parameters, its loss at every update, and (but for
+  the large batch) its relative distance from the large-batch parameters
+  after every update.
+  """
+  params = dict.fromkeys(runs, initial_params)
+  opt_states = {
+    name: run.optimizer.init(initial_params) for name, run in runs.items()
+  }
+  losses: dict[str, list[float]] = {name: [] for name in runs}
+  distances: dict[str, list[float]] = {
+    name: [] for name in runs if name != "large batch"
+  }
+  for tokens in tqdm(
+    batches,
+    desc="training",
+    unit="update",
+    disable=not progress,
+    file=sys.stderr,
+  ):
+    for name, run in runs.items():
+      params[name], opt_states[name], value = run.step(
+        params[name], opt_states[name], tokens
+      )
+      losses[name].append(float(value))
+    for name in distances:
+      distances[name].append(
+        float(relative_distance(params[name], params["large batch"]))
+      )
+  return params, losses, distances
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
-  """Runs the comparison; returns each run's losses and parameter distance."""
+  """Runs the comparison; returns each run's losses and parameter distance.
+
+  Per run: ``first_loss`` and ``final_loss`` (training), ``held_out_loss``,
+  ``params_finite``, ``max_param_difference`` (``max_relative_difference``
+  to the large batch's parameters) and ``relative_distance`` (the norm of
+  the difference over the norm of the large batch's parameters).
+  """
   args = parse_args(argv)
   rng = np.random.default_rng(args.seed)
-  train = make_sequences(rng, args.steps * args.batch_size, args.max_symbols)
-  held_out = make_sequences(rng, 256, args.max_symbols)
-  batches = np.split(train, args.steps)
+  batches, held_out = load_text(args, rng)
   micro_size = args.batch_size // args.every_k
-  tokens_per_row = (train[:, 1:] != PAD).sum(axis=1)
+  tokens_per_row = (np.concatenate(batches)[:, 1:] != PAD).sum(axis=1)
   micro_counts = tokens_per_row.reshape(-1, micro_size).sum(axis=1)
   print(
     f"device: {jax.devices()[0].platform}  {args.steps} updates of"
@@ -326,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
   )
 
   model = TransformerLM(
-    max_len=train.shape[1] - 1,
+    max_len=held_out.shape[1] - 1,
     dim=args.dim,
     num_heads=args.num_heads,
     num_layers=args.num_layers,
@@ -341,57 +504,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     "accumulate(weight=)": weighted_run,
     "microbatched(weight_fn=)": microbatched_run(loss, args),
   }
-
-  params = dict.fromkeys(runs, initial_params)
-  opt_states = {
-    name: run.optimizer.init(initial_params) for name, run in runs.items()
-  }
-  losses: dict[str, list[float]] = {name: [] for name in runs}
-  distances: dict[str, list[float]] = {
-    name: [] for name in runs if name != "large batch"
-  }
   # float32 matmuls at full precision (GPUs may otherwise use TF32): the
   # comparison is about the accumulation, not about matmul rounding.
   with jax.default_matmul_precision("highest"):
-    # The runs advance in lockstep so that their distance from the large
-    # batch can be measured after every update.
-    for tokens in tqdm(
-      batches,
-      desc="training",
-      unit="update",
-      disable=not args.progress,
-      file=sys.stderr,
-    ):
-      for name, run in runs.items():
-        params[name], opt_states[name], value = run.step(
-          params[name], opt_states[name], tokens
-        )
-        losses[name].append(float(value))
-      for name in distances:
-        distances[name].append(
-          float(relative_distance(params[name], params["large batch"]))
-        )
+    params, losses, distances = train(
+      runs, initial_params, batches, args.progress
+    )
     eval_loss = jax.jit(loss)
-    results = {
-      name: {
-        "final_loss": losses[name][-1],
-        "held_out_loss": float(eval_loss(params[name], held_out)),
-        # Checked on its own: NaN where the large batch has NaN counts as
-        # equal in the difference below.
-        "params_finite": all(
-          np.isfinite(leaf).all()
-          for leaf in jax.tree.leaves(jax.device_get(params[name]))
-        ),
-        "max_param_difference": max_relative_difference(
-          jax.device_get(params[name]), jax.device_get(params["large batch"])
-        ),
-        "relative_distance": float(
-          relative_distance(params[name], params["large batch"])
-        ),
-      }
-      for name in runs
+    held_out_losses = {
+      name: float(eval_loss(params[name], held_out)) for name in runs
     }
 
+  params = jax.device_get(params)
+  reference = params["large batch"]
+  results = {
+    name: {
+      "first_loss": losses[name][0],
+      "final_loss": losses[name][-1],
+      "held_out_loss": held_out_losses[name],
+      # Checked on its own: NaN where the large batch has NaN counts as
+      # equal in the difference below.
+      "params_finite": all(
+        np.isfinite(leaf).all() for leaf in jax.tree.leaves(params[name])
+      ),
+      "max_param_difference": max_relative_difference(params[name], reference),
+      "relative_distance": float(relative_distance(params[name], reference)),
+    }
+    for name in runs
+  }
   print(
     f"\n{'run':<26}{'final loss':>11}{'held-out loss':>15}"
     f"{'max rel. param diff':>21}{'rel. distance':>15}"

@@ -193,40 +193,98 @@ def test_output_goes_under_the_current_directory(name, tmp_path, monkeypatch):
   assert output_dir == (tmp_path / "ga_optax_output" / name).resolve()
 
 
-def test_lm_sequences_follow_the_grammar(lm_example):
-  tokens = lm_example.make_sequences(
-    np.random.default_rng(0), count=50, max_symbols=12
+def test_lm_text_is_cut_at_sentence_and_paragraph_ends(lm_example):
+  text = (
+    "One. Two is here.\nThree!\n\n"
+    "A paragraph with no end at all but many words\n   \n"
+    "abcdefghijklmnopqrstuvwxyz0123456789"
   )
-  assert tokens.shape == (50, 14)
-  assert (tokens[:, 0] == lm_example.BOS).all()
+  tokens = lm_example.text_sequences([text], max_len=20)
+
+  assert tokens.shape == (7, 22)
+  assert tokens.dtype == np.int32
+  pieces = []
   for row in tokens:
+    assert row[0] == lm_example.BOS
     end = int(np.flatnonzero(row == lm_example.EOS)[0])
-    symbols = row[1:end] - lm_example.NUM_SPECIAL
-    assert 1 <= len(symbols) <= 12
-    assert (symbols >= 0).all()
     assert (row[end + 1 :] == lm_example.PAD).all()
-    strides = np.diff(symbols) % lm_example.ALPHABET
-    assert len(set(strides.tolist())) <= 1
+    piece = (row[1:end] - lm_example.NUM_SPECIAL).astype(np.uint8)
+    pieces.append(piece.tobytes().decode())
+  assert pieces == [
+    # Whole sentences, as many as fit.
+    "One. Two is here.",
+    "Three!",
+    # No sentence end fits: cut at the last space that does.
+    "A paragraph with no",
+    "end at all but many",
+    "words",
+    # No space either: cut at the limit.
+    "abcdefghijklmnopqrst",
+    "uvwxyz0123456789",
+  ]
+
+
+def test_lm_sequences_from_the_help_texts_vary_in_length(lm_example):
+  texts = list(lm_example.topics.values())
+  corpus = "\n\n".join(texts).encode("utf-8")
+  tokens = lm_example.text_sequences(texts, max_len=128)
+
+  real = tokens[:, 1:] != lm_example.PAD
+  lengths = real.sum(axis=1) - 1
+  assert len(tokens) > 3000
+  assert lengths.min() >= 1
+  assert lengths.max() == 128
+  # Headings and short sentences beside full-width paragraphs: padding is
+  # a large share of a batch, not an edge case.
+  assert np.quantile(lengths, 0.1) < 32 < 96 < np.quantile(lengths, 0.75)
+  for row, length in zip(tokens[::50], lengths[::50], strict=True):
+    piece = (row[1 : length + 1] - lm_example.NUM_SPECIAL).astype(np.uint8)
+    assert piece.tobytes() in corpus
+
+
+def test_lm_presets_give_way_to_the_options_given(lm_example):
+  args = lm_example.parse_args(["--preset", "gpu", "--steps", "7"])
+  assert args.steps == 7
+  assert args.dim == lm_example.PRESETS["gpu"]["dim"]
+  assert args.learning_rate == lm_example.LEARNING_RATES["adam"]
+  args = lm_example.parse_args(["--optimizer", "sgd"])
+  assert vars(args) | lm_example.PRESETS["cpu"] == vars(args)
+  assert args.learning_rate == lm_example.LEARNING_RATES["sgd"]
 
 
 def test_lm_token_weighting(lm_example, tmp_path, capsys):
+  # Plain SGD: an update is the gradient times the learning rate, so a
+  # gradient of the wrong scale moves the parameters by as much. (Adam
+  # divides most of such an error out.)
   results = lm_example.main(
     [
-      *("--steps", "4", "--batch-size", "8", "--every-k", "2"),
-      *("--dim", "16", "--num-heads", "2", "--num-layers", "1"),
-      *("--max-symbols", "10", "--output-dir", str(tmp_path), "--no-progress"),
+      *("--optimizer", "sgd", "--steps", "3", "--batch-size", "8"),
+      *("--every-k", "2", "--max-len", "48", "--dim", "16"),
+      *("--num-heads", "2", "--num-layers", "1"),
+      *("--output-dir", str(tmp_path), "--no-progress"),
     ]
   )
 
-  weighted = [name for name in results if "weight" in name]
-  assert weighted, results
+  assert list(results) == [
+    "large batch",
+    "naive (mean of means)",
+    "accumulate(weight=)",
+    "microbatched(weight_fn=)",
+  ]
+  # The reference trained, so that agreeing with it means something.
+  reference = results["large batch"]
+  assert reference["first_loss"] - reference["final_loss"] > 0.5
+  weighted = ["accumulate(weight=)", "microbatched(weight_fn=)"]
   assert_ga_matches_and_naive_does_not(
     results, weighted, "naive (mean of means)"
   )
   for name in weighted:
     assert results[name]["relative_distance"] < EQUIVALENT
+  assert results["naive (mean of means)"]["relative_distance"] > EQUIVALENT
   assert (tmp_path / "lm_token_weighting.png").stat().st_size > 0
   printed = capsys.readouterr().out
+  assert f"pydoc_data.topics, {len(lm_example.topics)} help texts" in printed
+  assert "real tokens per micro-batch: " in printed
   assert f"plot: {(tmp_path / 'lm_token_weighting.png').resolve()}" in printed
 
 

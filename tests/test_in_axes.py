@@ -373,6 +373,51 @@ def test_a_replicated_batch_with_the_axes_named_is_split_over_them(axis_type):
   assert f"f32[{BATCH // K},{FEATURES}]" not in shapes, shapes
 
 
+def _row_major_masked_loss(params, batch):
+  errors = (jnp.tanh(batch["x"] @ params["w"]) @ params["v"]) ** 2
+  return jnp.sum(errors * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+@pytest.mark.parametrize(
+  "case", ["mask_made_in_step", "replicated_named", "replicated_unreduced"]
+)
+def test_leaves_not_sharded_over_the_batch_axes_with_default_in_axes(case):
+  # The defect as met: a batch split along axis 0 (in_axes left at its
+  # default) with a leaf that is not sharded over the data axis.
+  keys = jax.random.split(jax.random.key(5), 3)
+  params = {
+    "w": jax.random.normal(keys[0], (FEATURES, HIDDEN)),
+    "v": jax.random.normal(keys[1], (HIDDEN,)),
+  }
+  x = jax.random.normal(keys[2], (BATCH, FEATURES))
+  mask = (jnp.arange(BATCH) % 3 != 0).astype(jnp.float32)
+  expected = jax.value_and_grad(_row_major_masked_loss)(
+    params, {"x": x, "mask": mask}
+  )
+  if case == "replicated_unreduced":
+    value_and_grad = ga_optax.unreduced_value_and_grad(
+      _row_major_masked_loss, "data", weight_fn=_count
+    )
+  else:
+    value_and_grad = ga_optax.microbatched_value_and_grad(
+      _row_major_masked_loss,
+      K,
+      weight_fn=_count,
+      axis_name="data" if case == "replicated_named" else None,
+    )
+
+  def step(params, x):
+    # Made here, under Explicit axes: replicated.
+    mask = (jnp.arange(BATCH) % 3 != 0).astype(jnp.float32)
+    value, grads = value_and_grad(params, {"x": x, "mask": mask})
+    return value, jax.tree.map(lambda grad: jax.reshard(grad, P()), grads)
+
+  with jax.set_mesh(jax.make_mesh((DEVICES,), ("data",))):
+    spec = P("data") if case == "mask_made_in_step" else P()
+    result = jax.jit(step)(params, jax.device_put(x, spec))
+  _assert_close(result, expected)
+
+
 # Bad in_axes: errors that name in_axes and the leaf.
 
 

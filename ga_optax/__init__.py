@@ -1,6 +1,5 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
 
-from ga_optax._src.accumulate import AccumulateState, accumulate, emitted
 from ga_optax._src.batchnorm import combine_batch_stats
 from ga_optax._src.elastic import (
   ElasticPlan,
@@ -8,13 +7,12 @@ from ga_optax._src.elastic import (
   elastic_plan,
   valid_device_counts,
 )
-from ga_optax._src.flax_utils import applied_updates, apply_gradients
-from ga_optax._src.fused import FusedAccumulation, accumulate_and_apply
+from ga_optax._src.flax_utils import apply_gradients
 from ga_optax._src.microbatch import (
   microbatched_value_and_grad,
   unreduced_value_and_grad,
 )
-from ga_optax._src.partial_sums import (
+from ga_optax._src.parallel.partial_sums import (
   consolidate,
   split_total,
   stack_partial_sums,
@@ -24,6 +22,17 @@ from ga_optax._src.planner import (
   MicrobatchPlan,
   micro_step_bytes,
   plan_microbatch,
+)
+from ga_optax._src.state import (
+  AccumulateState,
+  applied_updates,
+  emitted,
+  num_skipped,
+)
+from ga_optax._src.transform import (
+  FusedAccumulation,
+  accumulate,
+  accumulate_and_apply,
 )
 
 __version__ = "0.1.0"
@@ -44,6 +53,7 @@ __all__ = [
   "emitted",
   "micro_step_bytes",
   "microbatched_value_and_grad",
+  "num_skipped",
   "plan_microbatch",
   "split_total",
   "stack_partial_sums",

@@ -32,7 +32,6 @@ import numpy as np
 import optax
 
 from ga_optax._src import validation
-from ga_optax._src.accumulate import accumulate
 from ga_optax._src.gpu_conditionals import (
   ConditionalAudit,
   EmulationUnavailable,
@@ -50,6 +49,7 @@ from ga_optax._src.hlo import (
   reachable,
   window_collectives,
 )
+from ga_optax._src.transform import accumulate
 
 __all__ = [
   "Collective",

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax._src import memory_kinds
+from ga_optax._src import hlo, residency
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HOST = "pinned_host"
@@ -60,7 +60,7 @@ def _kinds(tree: Any) -> set[str]:
 
 def assert_placed(state: Any, accumulator_kind: Any, inner_kind: Any) -> None:
   """Every accumulator and inner-state leaf is where it was asked to live."""
-  state = ga_optax._src.accumulate.find_state(state)
+  state = ga_optax._src.state.find_state(state)
   assert _kinds(state.accumulator) == {accumulator_kind or "device"}
   assert _kinds(state.inner_state) == {inner_kind or "device"}
   counters = (state.micro_step, state.update_step, state.weight_sum)
@@ -286,7 +286,7 @@ def test_an_unknown_kind_names_the_argument_and_the_offered_kinds(
 
 
 def test_a_kind_jit_cannot_keep_is_refused_clearly():
-  if "unpinned_host" not in memory_kinds.offered_kinds():
+  if "unpinned_host" not in residency.offered_kinds():
     pytest.skip("the device offers no unpinned_host memory")
   with pytest.raises(ValueError, match=r"accumulator_memory_kind.*pinned_host"):
     ga_optax.accumulate(
@@ -402,7 +402,7 @@ def test_device_bytes_is_the_whole_analysis_when_nothing_is_on_the_host():
     jax.jit(jax.grad(_loss_fn), donate_argnums=0).lower(params, batch).compile()
   )
   analysis = compiled.memory_analysis()
-  assert memory_kinds.device_bytes(compiled) == (
+  assert hlo.device_bytes(compiled) == (
     analysis.argument_size_in_bytes
     + analysis.output_size_in_bytes
     - analysis.alias_size_in_bytes

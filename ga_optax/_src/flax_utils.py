@@ -1,4 +1,4 @@
-"""Flax train states with accumulation: weighted updates and counted steps.
+"""Flax train states with accumulation: weighted updates.
 
 ``flax.training.train_state.TrainState.apply_gradients`` calls ``tx.update``
 with no keyword arguments, so it cannot pass a micro-batch's ``weight`` or a
@@ -11,11 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
-
-from ga_optax._src import accumulate as accumulate_lib
 
 
 def apply_gradients(state: Any, grads: Any, **update_kwargs: Any) -> Any:
@@ -70,35 +66,3 @@ def apply_gradients(state: Any, grads: Any, **update_kwargs: Any) -> Any:
     params=optax.apply_updates(state.params, updates),
     opt_state=opt_state,
   )
-
-
-def applied_updates(state: Any) -> jax.Array:
-  """The number of updates :func:`ga_optax.accumulate` has applied.
-
-  A train state's ``step`` (Flax ``TrainState.step``, or the count of an NNX
-  ``Optimizer``) counts ``update`` calls, that is micro-steps; this counts
-  closed windows, the steps of a large-batch run.
-
-  Args:
-    state: a pytree that holds exactly one ``AccumulateState``: a
-      ``TrainState``, its ``opt_state``, an NNX ``Optimizer``'s
-      ``opt_state``, or the state of an ``optax.chain``.
-
-  Returns:
-    An int32 scalar array.
-
-  Raises:
-    ValueError: ``state`` holds no ``AccumulateState``, or several.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, ga_optax
-    >>> tx = ga_optax.accumulate(optax.sgd(0.1), 2)
-    >>> params = jnp.zeros(3)
-    >>> state = tx.init(params)
-    >>> for _ in range(5):
-    ...   _, state = tx.update(jnp.ones(3), state, params)
-    >>> int(ga_optax.applied_updates(state))
-    2
-  """
-  # NNX wraps state leaves in Variables; asarray returns the plain array.
-  return jnp.asarray(accumulate_lib.find_state(state).update_step)

@@ -16,8 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from ga_optax._src import accumulate as accumulate_lib
-from ga_optax._src import memory_kinds, validation
+from ga_optax._src import hlo, residency, transform, validation
 
 LossFn = Callable[..., Any]
 
@@ -133,7 +132,7 @@ def micro_step_bytes(
   microbatch_size = validation.check_positive_int(
     microbatch_size, "microbatch_size"
   )
-  accumulator_kind = memory_kinds.check_memory_kind(
+  accumulator_kind = residency.check_memory_kind(
     accumulator_memory_kind, "accumulator_memory_kind"
   )
   if optimizer is None and inner_state_memory_kind is not None:
@@ -154,13 +153,13 @@ def micro_step_bytes(
 
     def step(params, accumulator, batch):
       grads = gradient(params, batch)
-      accumulator = memory_kinds.to_device(accumulator)
+      accumulator = residency.to_device(accumulator)
       accumulator = jax.tree.map(
         lambda total, g: total + g.astype(total.dtype), accumulator, grads
       )
-      return memory_kinds.put(accumulator, accumulator_kind)
+      return residency.put(accumulator, accumulator_kind)
 
-    state = memory_kinds.abstract_in(
+    state = residency.abstract_in(
       jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jax.numpy.float32),
         abstract_params,
@@ -170,7 +169,7 @@ def micro_step_bytes(
     donate: tuple[int, ...] = (1,)
   else:
     # k does not change what a micro-step holds; 2 keeps both branches.
-    tx = accumulate_lib.accumulate(
+    tx = transform.accumulate(
       optimizer,
       2,
       accumulator_memory_kind=accumulator_kind,
@@ -183,8 +182,8 @@ def micro_step_bytes(
 
     state = jax.eval_shape(tx.init, abstract_params)
     state = state._replace(
-      accumulator=memory_kinds.abstract_in(state.accumulator, accumulator_kind),
-      inner_state=memory_kinds.abstract_in(
+      accumulator=residency.abstract_in(state.accumulator, accumulator_kind),
+      inner_state=residency.abstract_in(
         state.inner_state, inner_state_memory_kind
       ),
     )
@@ -194,7 +193,7 @@ def micro_step_bytes(
     .lower(abstract_params, state, batch)
     .compile()
   )
-  return memory_kinds.device_bytes(compiled)
+  return hlo.device_bytes(compiled)
 
 
 def plan_microbatch(

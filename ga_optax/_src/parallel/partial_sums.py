@@ -29,12 +29,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ga_optax._src import accumulate as accumulate_lib
-from ga_optax._src import sharding
+from ga_optax._src import residency
+from ga_optax._src.parallel import axes as axes_lib
+from ga_optax._src.state import AccumulateState
 
 
 def _is_unreduced(leaf: Any) -> bool:
-  return bool(sharding.unreduced_axes_of(leaf))
+  return bool(axes_lib.unreduced_axes_of(leaf))
 
 
 def _num_devices(axes: frozenset[str] | tuple[str, ...]) -> int:
@@ -69,17 +70,18 @@ def stack_partial_sums(tree: Any) -> Any:
   def stack(leaf: Any) -> Any:
     if not _is_unreduced(leaf):
       return leaf
-    spec = sharding.spec_of(leaf)
+    spec = axes_lib.spec_of(leaf)
     axes = tuple(sorted(spec.unreduced))
     plain = PartitionSpec(*spec.partitions)
     # Each device's block is its partial sum; with the type checks off a
     # fully manual map may read it as such and give it a leading axis.
-    return jax.shard_map(
+    stacked = jax.shard_map(
       lambda block: block[None],
       in_specs=spec,
       out_specs=_stacked_spec(plain, axes),
       check_vma=False,
-    )(leaf)
+    )(residency.to_device(leaf))
+    return residency.put(stacked, residency.kind_of(leaf))
 
   return jax.tree.map(stack, tree)
 
@@ -140,7 +142,10 @@ def consolidate(tree: Any, axis_name: Any = None) -> Any:
   if axis_name is None:
     return jax.tree.map(
       lambda leaf: (
-        jax.reshard(leaf, PartitionSpec(*sharding.spec_of(leaf).partitions))
+        _in_kind_of(
+          jax.reshard(residency.to_device(leaf), axes_lib.plain_spec(leaf)),
+          leaf,
+        )
         if _is_unreduced(leaf)
         else leaf
       ),
@@ -148,11 +153,14 @@ def consolidate(tree: Any, axis_name: Any = None) -> Any:
     )
   axes = _untracked_axes(axis_name, "consolidate")
 
-  def total(state: accumulate_lib.AccumulateState) -> Any:
+  def total(state: AccumulateState) -> Any:
     accumulator, weight_sum = jax.lax.psum(
-      (state.accumulator, state.weight_sum), axes
+      (residency.to_device(state.accumulator), state.weight_sum), axes
     )
-    return state._replace(accumulator=accumulator, weight_sum=weight_sum)
+    return state._replace(
+      accumulator=_in_kind_of(accumulator, state.accumulator),
+      weight_sum=weight_sum,
+    )
 
   return _map_states(total, tree)
 
@@ -193,17 +201,20 @@ def split_total(tree: Any, like: Any = None, axis_name: Any = None) -> Any:
   axes = _untracked_axes(axis_name, "split_total")
   first = jax.lax.axis_index(axes) == 0
 
-  def keep_on_first(state: accumulate_lib.AccumulateState) -> Any:
+  def keep_on_first(state: AccumulateState) -> Any:
     accumulator, weight_sum = jax.tree.map(
       lambda leaf: jnp.where(first, leaf, jnp.zeros_like(leaf)),
-      (state.accumulator, state.weight_sum),
+      (residency.to_device(state.accumulator), state.weight_sum),
     )
-    return state._replace(accumulator=accumulator, weight_sum=weight_sum)
+    return state._replace(
+      accumulator=_in_kind_of(accumulator, state.accumulator),
+      weight_sum=weight_sum,
+    )
 
   return _map_states(keep_on_first, tree)
 
 
-def _untracked_axes(axis_name: Any, caller: str) -> sharding.Axes:
+def _untracked_axes(axis_name: Any, caller: str) -> axes_lib.Axes:
   """``axis_name`` as a tuple, inside a ``shard_map`` with ``check_vma=False``.
 
   With ``check_vma=True`` the window holds gradients autodiff has already
@@ -211,8 +222,8 @@ def _untracked_axes(axis_name: Any, caller: str) -> sharding.Axes:
   sums to combine, and a total from one device count would be scaled
   wrongly on another.
   """
-  axes = sharding.as_axes(axis_name, "axis_name")
-  if sharding.tracks_variance(axes):
+  axes = axes_lib.as_axes(axis_name, "axis_name")
+  if axes_lib.tracks_variance(axes):
     raise ValueError(
       f"{caller} combines per-device partial sums, which a jax.shard_map"
       " with check_vma=True does not keep (its gradients arrive summed over"
@@ -221,9 +232,18 @@ def _untracked_axes(axis_name: Any, caller: str) -> sharding.Axes:
   return axes
 
 
+def _in_kind_of(tree: Any, like: Any) -> Any:
+  """``tree`` in the memory kinds of ``like``'s leaves (computed on the device)."""
+  return residency.like_kinds(tree, like)
+
+
 def _placed_unreduced(stacked: jax.Array, twin: Any) -> jax.Array:
-  """Stacked partial sums (S entries) as a leaf unreduced like ``twin``."""
-  spec = sharding.spec_of(twin)
+  """Stacked partial sums (S entries) as a leaf unreduced like ``twin``.
+
+  Computed in device memory; the result is in ``twin``'s memory kind.
+  """
+  stacked = residency.to_device(stacked)
+  spec = axes_lib.spec_of(twin)
   axes = tuple(sorted(spec.unreduced))
   num_devices = _num_devices(axes)
   saved = stacked.shape[0]
@@ -236,14 +256,14 @@ def _placed_unreduced(stacked: jax.Array, twin: Any) -> jax.Array:
   stacked = jax.reshard(
     stacked, _stacked_spec(PartitionSpec(*spec.partitions), axes)
   )
-  return sharding.sum_to_unreduced(stacked, twin, axes)
+  return _in_kind_of(axes_lib.sum_to_unreduced(stacked, twin, axes), twin)
 
 
 def _map_states(fn: Any, tree: Any) -> Any:
   """``fn`` applied to every ``AccumulateState`` node of ``tree``."""
 
   def is_state(node: Any) -> bool:
-    return isinstance(node, accumulate_lib.AccumulateState)
+    return isinstance(node, AccumulateState)
 
   return jax.tree.map(
     lambda node: fn(node) if is_state(node) else node, tree, is_leaf=is_state

@@ -1,4 +1,4 @@
-"""Placing state in a JAX memory kind (host offload), and counting device bytes.
+"""Where state lives between calls: a JAX memory kind, or wherever JAX puts it.
 
 An array's sharding carries a memory kind: ``"device"`` (the accelerator's
 own memory, the default) or a host memory such as ``"pinned_host"``. State
@@ -7,11 +7,15 @@ step brings it to the device where it is computed on and sends it back.
 Inside ``jit`` JAX (0.10) types an array's memory as ``jax.memory.Space``:
 ``Device`` or ``Host``, the latter being ``"pinned_host"``, so those two are
 the kinds state can be kept in from one jitted call to the next.
+
+:class:`Residency` is that choice for one part of the state, made once from
+the arguments; ``Residency(None, ...)`` keeps nothing anywhere in particular
+and every method of it does nothing, so the window calls it unconditionally.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from typing import Any
 
 import jax
@@ -23,32 +27,6 @@ SPACES = {
   "device": jax.memory.Space.Device,
   "pinned_host": jax.memory.Space.Host,
 }
-
-_HLO_DTYPE_BYTES = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "f8e4m3fn": 1,
-  "f8e5m2": 1,
-  "bf16": 2,
-  "f16": 2,
-  "s16": 2,
-  "u16": 2,
-  "f32": 4,
-  "s32": 4,
-  "u32": 4,
-  "c64": 8,
-  "f64": 8,
-  "s64": 8,
-  "u64": 8,
-  "c128": 16,
-}
-# One array in an HLO layout, e.g. ``f32[4,2]{1,0:S(5)}`` or ``s32[]``.
-_HLO_ARRAY = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
-# ``{output index}: (parameter, {}, may-alias)``; ``{}`` for a lone output.
-_HLO_ALIAS = re.compile(r"\{(\d*)\}: \((\d+), \{\}, (?:may|must)-alias\)")
-# XLA's number for host memory in a layout, ``S(5)``.
-_HOST_MEMORY_SPACE = "S(5)"
 
 
 def offered_kinds() -> tuple[str, ...]:
@@ -88,9 +66,69 @@ def check_memory_kind(kind: Any, name: str) -> str | None:
   return kind
 
 
-def put(
-  tree: Any, kind: str | None, *, unplaced: jax.sharding.Sharding | None = None
-) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Residency:
+  """Where one part of the state is kept between calls.
+
+  Attributes:
+    kind: the memory kind (``"pinned_host"``, say), or None to leave the
+      arrays wherever JAX puts them.
+    field: the state field it governs, for error messages.
+    argument: the argument that chose it, for error messages.
+  """
+
+  kind: str | None
+  field: str
+  argument: str
+
+  @property
+  def home(self) -> str:
+    """The memory kind ``update`` leaves the arrays in."""
+    return self.kind or "device"
+
+  def keep(self, tree: Any, *, unplaced: Any = None) -> Any:
+    """``tree`` in this residency's memory kind (as it is for None).
+
+    ``unplaced``: where arrays not committed to devices go (a scalar made by
+    ``jnp.zeros``, say); None keeps them on their default device.
+    """
+    return put(tree, self.kind, unplaced=unplaced)
+
+  def check_kept(self, tree: Any) -> None:
+    """Raises unless every array leaf of ``tree`` is in :attr:`home`.
+
+    A state that enters a jitted step in one memory kind and leaves it in
+    another cannot be donated: JAX (0.10) pairs donated buffers with results
+    by shape and dtype alone when it does not know the results' memory
+    kinds, and the CPU runtime aborts the process on a pair of two memory
+    kinds. Inside ``jit`` a donated argument cannot be told from another
+    one, so the state must come in where the step will leave it.
+
+    Raises:
+      ValueError: a leaf is in another memory kind.
+    """
+    elsewhere = [
+      (jax.tree_util.keystr(path), kind_of(leaf))
+      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+      if hasattr(leaf, "shape") and kind_of(leaf) != self.home
+    ]
+    if not elsewhere:
+      return
+    path, found = elsewhere[0]
+    raise ValueError(
+      f"state.{self.field}{path} is in {found!r} memory ({len(elsewhere)}"
+      f" leaves of {self.field} are elsewhere), but this transformation"
+      f" keeps {self.field} in {self.home!r} ({self.argument}={self.kind!r}),"
+      " and a state donated to a jitted step in another memory kind than"
+      " the step returns it in would crash the process. Pass the state that"
+      " this transformation's init made (or that update returned); to"
+      " restore a checkpoint, restore it onto that state"
+      " (jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(params))"
+      " with orbax), whose shardings carry the memory kinds."
+    )
+
+
+def put(tree: Any, kind: str | None, *, unplaced: Any = None) -> Any:
   """``tree`` with every array leaf in memory ``kind``, shardings kept.
 
   Inside ``jit`` the move is part of the program (a ``jax.device_put`` to a
@@ -98,13 +136,6 @@ def put(
   sharding in the other memory kind. Leaves already in ``kind`` are left
   alone, so that a program holds no move that does nothing. None leaves the
   tree as it is.
-
-  Args:
-    tree: a pytree of arrays (or tracers).
-    kind: the memory kind, or None.
-    unplaced: where arrays that are not committed to devices go (a scalar
-      made by ``jnp.zeros``, say), for example replicated over the params'
-      devices; None keeps them on their default device.
   """
   if kind is None:
     return tree
@@ -151,6 +182,17 @@ def kind_of(leaf: Any) -> str:
   return "pinned_host" if space == SPACES["pinned_host"] else "device"
 
 
+def like_kinds(tree: Any, like: Any) -> Any:
+  """``tree`` with each leaf in the memory kind of its twin in ``like``."""
+  return jax.tree.map(
+    lambda leaf, twin: (
+      put(leaf, kind_of(twin)) if hasattr(twin, "shape") else leaf
+    ),
+    tree,
+    like,
+  )
+
+
 def replicated_over(tree: Any) -> jax.sharding.Sharding | None:
   """A sharding replicated over the devices of ``tree``'s first placed array.
 
@@ -191,41 +233,6 @@ def abstract_in(tree: Any, kind: str | None) -> Any:
   )
 
 
-def check_kept_in(tree: Any, kind: str, field: str, argument: str) -> None:
-  """Raises unless every array leaf of ``tree`` is in memory ``kind``.
-
-  A state that enters a jitted step in one memory kind and leaves it in
-  another cannot be donated: JAX (0.10) pairs donated buffers with results
-  by shape and dtype alone when it does not know the results' memory kinds,
-  and the CPU runtime aborts the process on a pair of two memory kinds.
-  Inside ``jit`` a donated argument cannot be told from another one, so the
-  state must come in where the step will leave it.
-
-  Raises:
-    ValueError: a leaf is in another memory kind.
-  """
-  elsewhere = [
-    (jax.tree_util.keystr(path), kind_of(leaf))
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    if hasattr(leaf, "shape") and kind_of(leaf) != kind
-  ]
-  if not elsewhere:
-    return
-  path, found = elsewhere[0]
-  given = None if kind == "device" else kind
-  raise ValueError(
-    f"state.{field}{path} is in {found!r} memory ({len(elsewhere)} leaves"
-    f" of {field} are elsewhere), but this transformation keeps {field} in"
-    f" {kind!r}"
-    f" ({argument}={given!r}), and a state donated to a jitted step in"
-    " another memory kind than the step returns it in would crash the"
-    " process. Pass the state that this transformation's init made (or that"
-    " update returned); to restore a checkpoint, restore it onto that state"
-    " (jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(params)) with"
-    " orbax), whose shardings carry the memory kinds."
-  )
-
-
 def _named(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   """``sharding``, as a NamedSharding when it places arrays on one device.
 
@@ -243,9 +250,7 @@ def _named(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   )
 
 
-def _put_leaf(
-  leaf: Any, kind: str, unplaced: jax.sharding.Sharding | None
-) -> Any:
+def _put_leaf(leaf: Any, kind: str, unplaced: Any) -> Any:
   if isinstance(leaf, jax.core.Tracer):
     if kind_of(leaf) == kind:
       return leaf
@@ -259,88 +264,3 @@ def _put_leaf(
   else:
     sharding = _named(leaf.sharding)
   return jax.device_put(leaf, sharding.with_memory_kind(kind))
-
-
-def device_bytes(compiled: Any) -> int:
-  """Device-memory bytes a compiled program needs: what stays on the device.
-
-  Arguments, plus outputs that do not reuse an argument's buffer, plus
-  temporaries, counting only buffers in device memory. Backends that report
-  host memory apart (``host_*`` fields of ``compiled.memory_analysis()``,
-  as GPUs do) are read as they are; the CPU backend counts every buffer as
-  device memory, so the arguments and outputs its program layout puts in
-  host memory are subtracted here.
-
-  Raises:
-    RuntimeError: the backend gives no memory analysis.
-  """
-  analysis = compiled.memory_analysis()
-  if analysis is None:
-    raise RuntimeError(
-      f"The {jax.default_backend()} backend gives no compiled memory"
-      " analysis, so the bytes a program needs cannot be read."
-    )
-  total = int(
-    analysis.argument_size_in_bytes
-    + analysis.output_size_in_bytes
-    - analysis.alias_size_in_bytes
-    + analysis.temp_size_in_bytes
-  )
-  reported_apart = (
-    analysis.host_argument_size_in_bytes
-    + analysis.host_output_size_in_bytes
-    + analysis.host_temp_size_in_bytes
-  )
-  if reported_apart:
-    return total
-  return total - _host_buffer_bytes(compiled.as_text())
-
-
-def _host_buffer_bytes(hlo_text: str) -> int:
-  """Host-memory bytes of a program's parameters and unaliased outputs.
-
-  Read from the entry computation's layout, where an array in host memory
-  carries ``S(5)``, and from its input-output aliases.
-  """
-  header = hlo_text.split("\n", 1)[0]
-  layout = _braced(header, "entry_computation_layout=")
-  if "->" not in layout:
-    return 0
-  inputs, results = layout.split("->", 1)
-  parameters = _HLO_ARRAY.findall(inputs)
-  outputs = _HLO_ARRAY.findall(results)
-  aliased_outputs = {
-    int(output or 0)
-    for output, _ in _HLO_ALIAS.findall(_braced(header, "input_output_alias="))
-  }
-  host = sum(_bytes(array) for array in parameters if _on_host(array))
-  host += sum(
-    _bytes(array)
-    for index, array in enumerate(outputs)
-    if _on_host(array) and index not in aliased_outputs
-  )
-  return host
-
-
-def _braced(text: str, key: str) -> str:
-  """What follows ``key`` in ``text`` between its braces (nested ones kept)."""
-  start = text.find(key + "{")
-  if start < 0:
-    return ""
-  start += len(key) + 1
-  depth = 1
-  for end in range(start, len(text)):
-    depth += {"{": 1, "}": -1}.get(text[end], 0)
-    if depth == 0:
-      return text[start:end]
-  return ""
-
-
-def _on_host(array: tuple[str, str, str]) -> bool:
-  return _HOST_MEMORY_SPACE in array[2]
-
-
-def _bytes(array: tuple[str, str, str]) -> int:
-  dtype, dims, _ = array
-  size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-  return _HLO_DTYPE_BYTES.get(dtype, 4) * size

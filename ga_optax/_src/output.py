@@ -1,0 +1,96 @@
+"""What a call returns: updates for the caller to apply, or new params.
+
+``accumulate`` is a ``GradientTransformation``: every call returns updates,
+zeros until a window closes. ``accumulate_and_apply`` returns the params,
+changed only when a window closes. Either way the window's conditional has
+one output of the updates' (or params') type, and its open branch must only
+forward an operand into it (see docs/compiled-window.md): each strategy here
+says which operand, what the closing branch puts in its place, and what the
+caller sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class EmitUpdates:
+  """``accumulate``: updates, zeros until the window closes.
+
+  The open branch forwards the first operand of the updates' shapes whose
+  dtypes hold the updates exactly: the accumulator, whose sum the optimizer
+  has read by then, or the micro-step's gradients, dead once added. A select
+  after the conditional makes zeros of it on micro-steps that do not close
+  the window, and XLA fuses that select into the caller's
+  ``apply_updates``. With no such operand the zeros are an operand made
+  outside the conditional.
+  """
+
+  def carrier(self, updates_like: Any, carriers: dict[str, Any]) -> str:
+    """The name of the operand the open branch forwards; ``"zeros"`` if none."""
+    for name, operand in carriers.items():
+      if _fits_exactly(updates_like, operand):
+        return name
+    return "zeros"
+
+  def closing_output(self, updates: Any, params: Any, carrier: Any) -> Any:
+    """The updates, in the carrier's dtypes (exact, by :meth:`carrier`)."""
+    del params
+    return jax.tree.map(
+      lambda update, slot: update.astype(slot.dtype), updates, carrier
+    )
+
+  def emit(
+    self, output: Any, stepped: jax.Array, updates_like: Any, carrier: str
+  ) -> Any:
+    """Zeros where the window stayed open; the updates where it closed."""
+    if carrier == "zeros":
+      return output
+    return jax.tree.map(
+      lambda carried, like: jnp.where(
+        stepped, carried.astype(like.dtype), jnp.zeros((), like.dtype)
+      ),
+      output,
+      updates_like,
+    )
+
+
+class ApplyToParams:
+  """``accumulate_and_apply``: the params, stepped when the window closes.
+
+  The open branch forwards the params themselves, in place when they are
+  donated to ``jit``: a micro-step that does not close the window neither
+  reads nor writes them.
+  """
+
+  def carrier(self, updates_like: Any, carriers: dict[str, Any]) -> str:
+    del updates_like, carriers
+    return "params"
+
+  def closing_output(self, updates: Any, params: Any, carrier: Any) -> Any:
+    del carrier
+    return optax.apply_updates(params, updates)
+
+  def emit(
+    self, output: Any, stepped: jax.Array, updates_like: Any, carrier: str
+  ) -> Any:
+    del stepped, updates_like, carrier
+    return output
+
+
+def _fits_exactly(updates_like: Any, operand: Any) -> bool:
+  """Whether every updates leaf round-trips exactly through its twin's slot."""
+  updates_tree: Any = jax.tree.structure(updates_like)
+  if updates_tree != jax.tree.structure(operand):
+    return False
+  return all(
+    update.shape == slot.shape
+    and jnp.promote_types(update.dtype, slot.dtype) == slot.dtype
+    for update, slot in zip(
+      jax.tree.leaves(updates_like), jax.tree.leaves(operand), strict=True
+    )
+  )

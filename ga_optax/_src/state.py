@@ -1,0 +1,173 @@
+"""The state of an accumulation, and the readers users call on it.
+
+:class:`AccumulateState` is what :func:`ga_optax.accumulate` and
+:func:`ga_optax.accumulate_and_apply` keep: a plain pytree that jits,
+donates, shards and checkpoints like any optax state. Each reader below
+takes any optimizer state holding exactly one (an ``optax.chain``'s, a Flax
+``TrainState``, an NNX ``Optimizer``'s) and returns one scalar array.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class AccumulateState(NamedTuple):
+  """State of :func:`ga_optax.accumulate`: a plain pytree that jits and checkpoints.
+
+  Attributes:
+    micro_step: int32, micro-steps held by the open window (0 right after a
+      window closes).
+    update_step: int32, updates the inner optimizer has applied; the
+      argument of a callable or dict ``every_k`` (read it with
+      :func:`ga_optax.applied_updates`).
+    num_skipped: int32, non-finite micro-steps dropped by
+      ``skip_nonfinite=True`` over the whole run (read it with
+      :func:`ga_optax.num_skipped`).
+    emitted: bool, whether the last ``update`` call ran the inner optimizer
+      (read it with :func:`ga_optax.emitted`).
+    weight_sum: sum of the weights of the micro-steps in the open window.
+    accumulator: sum of ``weight * grads`` over the open window, in
+      ``accumulator_dtype`` (complex leaves in the complex dtype of that
+      precision), with the tree of the params. Meaningful only while
+      ``micro_step > 0``: the first micro-step of a window overwrites it
+      instead of adding, so closing a window need not zero it, and the
+      closing call may reuse its buffer to carry the updates. With
+      ``unreduced_axes`` its leaves are ``unreduced`` over those mesh axes:
+      each device holds its own partial sum. With
+      ``accumulator_memory_kind`` its leaves live in that memory kind.
+    inner_state: the wrapped optimizer's state, in
+      ``inner_state_memory_kind`` when one is given.
+  """
+
+  micro_step: jax.Array
+  update_step: jax.Array
+  num_skipped: jax.Array
+  emitted: jax.Array
+  weight_sum: jax.Array
+  accumulator: optax.Updates
+  inner_state: optax.OptState
+
+
+def check_state(state: Any) -> AccumulateState:
+  """``state`` itself, once checked to be an :class:`AccumulateState`.
+
+  Raises:
+    TypeError: it is not one.
+  """
+  if not isinstance(state, AccumulateState):
+    raise TypeError(
+      "state must be the AccumulateState made by this transformation's"
+      " init (or restored into its structure), got"
+      f" {type(state).__name__}."
+    )
+  return state
+
+
+def find_state(state: Any) -> AccumulateState:
+  """The one :class:`AccumulateState` inside an optimizer state.
+
+  Raises:
+    ValueError: ``state`` holds no ``AccumulateState``, or several.
+  """
+  found = [
+    node
+    for node in jax.tree.leaves(
+      state, is_leaf=lambda node: isinstance(node, AccumulateState)
+    )
+    if isinstance(node, AccumulateState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+      "state must hold exactly one AccumulateState (the state of"
+      f" ga_optax.accumulate), found {len(found)}."
+    )
+  return found[0]
+
+
+def emitted(state: Any) -> jax.Array:
+  """Whether the last ``update`` call closed a window and applied an update.
+
+  False on micro-steps that only accumulate, and on a flush of a window that
+  held no weight (nothing is applied then).
+
+  Args:
+    state: an :class:`AccumulateState`, or any optimizer state that holds
+      exactly one, for example that of an ``optax.chain``.
+
+  Returns:
+    A bool scalar array.
+
+  Raises:
+    ValueError: ``state`` holds no :class:`AccumulateState`, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> tx = optax.chain(optax.clip(1.0), ga_optax.accumulate(optax.sgd(1.0), 1))
+    >>> params = jnp.zeros(2)
+    >>> _, state = tx.update(jnp.ones(2), tx.init(params), params)
+    >>> bool(ga_optax.emitted(state))
+    True
+  """
+  # Flax NNX's Optimizer wraps state leaves in Variables: asarray returns
+  # the plain array (a snapshot, not the live Variable).
+  return jnp.asarray(find_state(state).emitted)
+
+
+def applied_updates(state: Any) -> jax.Array:
+  """The number of updates the wrapped optimizer has applied.
+
+  A train state's ``step`` (Flax ``TrainState.step``, or the count of an NNX
+  ``Optimizer``) counts ``update`` calls, that is micro-steps; this counts
+  closed windows, the steps of a large-batch run.
+
+  Args:
+    state: an :class:`AccumulateState`, or any optimizer state that holds
+      exactly one: a ``TrainState``, its ``opt_state``, an NNX
+      ``Optimizer``'s ``opt_state``, or the state of an ``optax.chain``.
+
+  Returns:
+    An int32 scalar array.
+
+  Raises:
+    ValueError: ``state`` holds no ``AccumulateState``, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> tx = ga_optax.accumulate(optax.sgd(0.1), 2)
+    >>> params = jnp.zeros(3)
+    >>> state = tx.init(params)
+    >>> for _ in range(5):
+    ...   _, state = tx.update(jnp.ones(3), state, params)
+    >>> int(ga_optax.applied_updates(state))
+    2
+  """
+  return jnp.asarray(find_state(state).update_step)
+
+
+def num_skipped(state: Any) -> jax.Array:
+  """The number of non-finite micro-steps ``skip_nonfinite=True`` dropped.
+
+  Args:
+    state: an :class:`AccumulateState`, or any optimizer state that holds
+      exactly one.
+
+  Returns:
+    An int32 scalar array, counted over the whole run.
+
+  Raises:
+    ValueError: ``state`` holds no ``AccumulateState``, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> tx = ga_optax.accumulate(optax.sgd(0.1), 2, skip_nonfinite=True)
+    >>> params = jnp.zeros(3)
+    >>> _, state = tx.update(jnp.full(3, jnp.nan), tx.init(params), params)
+    >>> int(ga_optax.num_skipped(state)), int(ga_optax.applied_updates(state))
+    (1, 0)
+  """
+  return jnp.asarray(find_state(state).num_skipped)

@@ -1,0 +1,289 @@
+"""Every combination of the features that place a window, against the large batch.
+
+The features meet in one generated matrix: where the window lives across
+devices (one device; ``jax.shard_map`` with ``axis_name``, ``check_vma`` both
+ways; plain ``jax.jit`` with ``unreduced_axes`` on Explicit axes, alone and
+with ``inner_state_axes`` as a rule and as a spec tree) x where the state is
+kept (device memory; the accumulator in host memory; the accumulator and the
+optimizer state in host memory) x what a call returns (``accumulate``'s
+updates, ``accumulate_and_apply``'s params), each case checkpointed
+mid-window by every way its mode offers (a plain copy, ``stack`` /
+``unstack_partial_sums``, ``consolidate`` / ``split_total``) or not at all.
+
+Every case runs the same ten micro-steps through all the other features at
+once: token weights (every micro-batch holds its own number of real rows,
+each device its own share), a ``{update_step: k}`` schedule (k = 2, then 3),
+a traced ``flush`` that closes a short window, and a micro-step whose
+gradients are NaN, dropped by ``skip_nonfinite``. The windows that result
+hold unequal weights, and plain SGD makes the update the gradient's own
+scale: each case must end where the one-device large batch ends, computed
+with ``jax.grad`` over each window's rows and the bare optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from token_windows import (
+  IN,
+  OUT,
+  assert_finite_and_close,
+  init_params,
+  large_batch_reference,
+  token_mean_loss,
+  token_sum_loss,
+  tokens,
+)
+
+import ga_optax
+
+DEVICES = 8
+ROWS = 2  # per device and micro-step
+SGD = optax.sgd(0.3)
+EVERY_K = {0: 2, 2: 3}
+NUM_MICRO_STEPS = 10
+NAN_STEP = 3  # its gradients are NaN: skipped, not counted
+FLUSH_STEP = 6  # closes the third window after 2 of its 3 micro-steps
+# What the schedule, the skip and the flush make of the ten micro-steps.
+WINDOWS = ((0, 1), (2, 4), (5, 6), (7, 8, 9))
+CHECKPOINT_AFTER = 7  # mid-way through the last window
+
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < DEVICES, reason="needs 8 (simulated) devices"
+)
+
+
+def micro_batches() -> list[dict[str, np.ndarray]]:
+  """Ten micro-batches of 16 rows, each with its own share of padding."""
+  rng = np.random.default_rng(7)
+  batches = []
+  for index in range(NUM_MICRO_STEPS):
+    rows = DEVICES * ROWS
+    mask = (rng.random(rows) < 0.3 + 0.06 * index).astype(np.float32)
+    mask[index % rows] = 1.0  # every micro-batch holds a real row
+    batch = {
+      "x": rng.standard_normal((rows, IN), np.float32),
+      "y": rng.standard_normal((rows, OUT), np.float32),
+      "mask": mask,
+    }
+    if index == NAN_STEP:
+      # On a real row: a device whose rows are all padding weighs 0, and
+      # its gradient (0 / 0 there) is dropped before it is ever added.
+      batch["x"][index % rows, 0] = np.nan
+    batches.append(batch)
+  return batches
+
+
+def reference(params: Any, batches: list[dict[str, np.ndarray]]) -> Any:
+  windows = [[batches[index] for index in window] for window in WINDOWS]
+  weights = [sum(float(b["mask"].sum()) for b in window) for window in windows]
+  assert len(set(weights)) == len(weights), weights
+  return large_batch_reference(SGD, params, windows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  parallel: str
+  residency: str
+  path: str
+  checkpoint: str
+
+  @property
+  def options(self) -> dict[str, Any]:
+    options: dict[str, Any] = {"skip_nonfinite": True}
+    if self.residency in ("accumulator_host", "both_host"):
+      options["accumulator_memory_kind"] = "pinned_host"
+    if self.residency == "both_host":
+      options["inner_state_memory_kind"] = "pinned_host"
+    if self.parallel.startswith("shard_map"):
+      options["axis_name"] = "data"
+    if self.parallel in ("unreduced", "zero_rule", "zero_specs"):
+      options["unreduced_axes"] = "data"
+    if self.parallel == "zero_rule":
+      options["inner_state_axes"] = "data"
+    if self.parallel == "zero_specs":
+      options["inner_state_axes"] = {
+        "w": P(None, "data"),
+        "b": P(),
+        "scale": P("data"),
+        "w2": P("data", None),
+      }
+    return options
+
+
+# The mid-window checkpoints each mode can take.
+CHECKPOINTS = {
+  "one_device": ("none", "copy"),
+  "shard_map_unchecked": ("none", "consolidate"),
+  # With check_vma=True the window holds gradients summed over the devices:
+  # the same on every device, so a plain copy is the checkpoint.
+  "shard_map_checked": ("none", "copy"),
+  "unreduced": ("none", "stack", "consolidate"),
+  "zero_rule": ("none", "stack", "consolidate"),
+  "zero_specs": ("none", "stack", "consolidate"),
+}
+RESIDENCIES = ("device", "accumulator_host", "both_host")
+PATHS = ("accumulate", "accumulate_and_apply")
+
+
+def cases() -> list[Case]:
+  """Every mode x residency x path; the checkpoints cycle through each mode's."""
+  generated = []
+  for parallel, checkpoints in CHECKPOINTS.items():
+    combos = itertools.product(RESIDENCIES, PATHS)
+    for (residency, path), checkpoint in zip(
+      combos, itertools.cycle(checkpoints), strict=False
+    ):
+      generated.append(Case(parallel, residency, path, checkpoint))
+  return generated
+
+
+class Runner:
+  """One case's transformation, step and checkpoint, on its devices."""
+
+  def __init__(self, case: Case, mesh: jax.sharding.Mesh) -> None:
+    self.case, self.mesh = case, mesh
+    if case.path == "accumulate":
+      self.tx = ga_optax.accumulate(SGD, EVERY_K, **case.options)
+    else:
+      self.tx = ga_optax.accumulate_and_apply(SGD, EVERY_K, **case.options)
+    self.step = jax.jit(self._make_step())
+
+  def apply(self, params, grads, state, weight, flush):
+    if self.case.path == "accumulate":
+      updates, state = self.tx.update(
+        grads, state, params, weight=weight, flush=flush
+      )
+      return optax.apply_updates(params, updates), state
+    return self.tx.apply(params, grads, state, weight=weight, flush=flush)
+
+  def _make_step(self) -> Callable[..., Any]:
+    parallel = self.case.parallel
+    if parallel == "one_device":
+
+      def step(params, state, batch, flush):
+        grads = jax.grad(token_mean_loss)(params, batch)
+        return self.apply(params, grads, state, tokens(batch), flush)
+
+      return step
+    if parallel.startswith("shard_map"):
+      checked = parallel == "shard_map_checked"
+
+      def local(params, state, batch, flush):
+        if checked:
+          # Autodiff sums the devices' gradients: each device's loss is its
+          # token sum over the micro-batch's mean tokens per device, and
+          # the weight is the micro-batch's, the same on every device.
+          weight = jax.lax.psum(tokens(batch), "data")
+          per_device = weight / jax.lax.axis_size("data")
+          grads = jax.grad(lambda p: token_sum_loss(p, batch) / per_device)(
+            params
+          )
+        else:
+          weight = tokens(batch)
+          grads = jax.grad(token_mean_loss)(params, batch)
+        return self.apply(params, grads, state, weight, flush)
+
+      return jax.shard_map(
+        local,
+        mesh=self.mesh,
+        in_specs=(P(), P(), P("data"), P()),
+        out_specs=(P(), P()),
+        check_vma=checked,
+      )
+    value_and_grad = ga_optax.unreduced_value_and_grad(
+      token_mean_loss, weight_fn=tokens
+    )
+
+    def step(params, state, batch, flush):
+      _, grads = value_and_grad(params, batch)
+      return self.apply(params, grads, state, tokens(batch), flush)
+
+    return step
+
+  def place(self, tree: Any, spec: P) -> Any:
+    """``tree`` on the first device alone, or over the mesh as ``spec``."""
+    if self.case.parallel == "one_device":
+      return jax.device_put(tree, jax.devices()[0])
+    return jax.device_put(tree, NamedSharding(self.mesh, spec))
+
+  def checkpoint(self, state: Any, params: Any) -> Any:
+    """``state`` saved to host NumPy mid-window and restored onto init's."""
+    like = self.tx.init(params)
+    kind = self.case.checkpoint
+    if kind == "none":
+      return state
+    if kind == "copy":
+      return restored(state, like)
+    if kind == "stack":
+      saved = ga_optax.stack_partial_sums(state)
+      return ga_optax.unstack_partial_sums(
+        restored(saved, ga_optax.stack_partial_sums(like)), like
+      )
+    if self.case.parallel.startswith("shard_map"):
+      in_map = in_shard_map(self.mesh)
+      saved = in_map(lambda s: ga_optax.consolidate(s, axis_name="data"))(state)
+      return in_map(lambda s: ga_optax.split_total(s, axis_name="data"))(
+        restored(saved, like)
+      )
+    saved = ga_optax.consolidate(state)
+    return ga_optax.split_total(
+      restored(saved, ga_optax.consolidate(like)), like
+    )
+
+
+def in_shard_map(mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+  """Wraps a function of the state as a jitted ``shard_map`` over ``data``."""
+
+  def wrap(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return jax.jit(
+      jax.shard_map(
+        function, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
+      )
+    )
+
+  return wrap
+
+
+def restored(saved: Any, like: Any) -> Any:
+  """A round trip through host NumPy, onto ``like``'s shardings."""
+  on_host = jax.device_get(saved)
+  return jax.tree.map(
+    lambda leaf, twin: jax.device_put(np.asarray(leaf), twin.sharding),
+    on_host,
+    like,
+  )
+
+
+@pytest.mark.parametrize(
+  "case", cases(), ids=lambda case: "-".join(vars(case).values())
+)
+def test_the_combination_ends_where_the_large_batch_ends(case: Case):
+  batches = micro_batches()
+  expected = reference(init_params(), batches)
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+  one_device = case.parallel == "one_device"
+  with contextlib.nullcontext() if one_device else jax.set_mesh(mesh):
+    runner = Runner(case, mesh)
+    params = runner.place(init_params(), P())
+    state = runner.tx.init(params)
+    for index, batch in enumerate(batches):
+      if index == CHECKPOINT_AFTER:
+        state = runner.checkpoint(state, params)
+      flush = jnp.asarray(index == FLUSH_STEP)
+      batch = runner.place(batch, P("data"))
+      params, state = runner.step(params, state, batch, flush)
+  assert int(ga_optax.applied_updates(state)) == len(WINDOWS)
+  assert int(ga_optax.num_skipped(state)) == 1
+  assert_finite_and_close(params, expected)

@@ -90,6 +90,7 @@ def test_restored_state_keeps_dtypes(saved_run):
   assert state.accumulator["w"].dtype == jnp.float32
   assert state.micro_step.dtype == jnp.int32
   assert state.emitted.dtype == jnp.bool_
+  chex.assert_tree_all_finite(state)
   chex.assert_trees_all_equal(state, states[5])
   chex.assert_trees_all_equal_dtypes(state, states[5])
 
@@ -119,6 +120,7 @@ def test_resuming_in_this_process_matches_too(saved_run):
   finished = checkpoint_run.run(
     params, state, 8, checkpoint_run.NUM_MICRO_STEPS
   )
+  chex.assert_tree_all_finite(finished)
   chex.assert_trees_all_equal(finished, reference)
   # Resuming from the wrong position must not match: the check has teeth.
   wrong = checkpoint_run.run(params, state, 7, checkpoint_run.NUM_MICRO_STEPS)
@@ -189,6 +191,7 @@ def test_data_parallel_checkpoints_resume_only_from_window_boundaries(
     token_windows.SGD, token_windows.init_params(), windows
   )
   token_windows.assert_finite_and_close(current[0], expected)
+  chex.assert_tree_all_finite(current)
   chex.assert_trees_all_equal(resumed["boundary"], current)
   # Mid-window, the other device's partial sum was lost: the run ends
   # elsewhere (finite, so the difference is not NaN against NaN).

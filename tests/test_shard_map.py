@@ -282,7 +282,8 @@ def test_microbatched_value_and_grad_reduces_after_the_scan(check_vma):
       check_vma=check_vma,
     )
   ).lower(params, batch)
-  module = testing.parse_hlo(compute.compile().as_text())
+  compiled = compute.compile()
+  module = testing.parse_hlo(compiled.as_text())
   assert any(
     instruction.opcode == "while"
     for instructions in module.computations.values()
@@ -301,7 +302,7 @@ def test_microbatched_value_and_grad_reduces_after_the_scan(check_vma):
   )
 
   expected = jax.value_and_grad(token_mean_loss)(params, batch)
-  assert_finite_and_close(compute.compile()(params, batch), expected)
+  assert_finite_and_close(compiled(params, batch), expected)
 
 
 @functools.cache

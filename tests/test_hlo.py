@@ -2,7 +2,9 @@
 
 The hand-written modules follow the layout XLA prints: computations before
 the ENTRY one, operands named without their shapes (older XLA printed each
-shape beside its operand, which the parser also reads).
+shape beside its operand, which the parser also reads). The CPU compiles
+collectives synchronously; a GPU prints them as asynchronous ``-start`` /
+``-done`` pairs, which one hand-written module puts through every audit.
 """
 
 from __future__ import annotations
@@ -340,6 +342,124 @@ def test_window_collectives_refuses_collectives_in_two_branches():
   # two branches hold collectives: the audit refuses rather than guess.
   with pytest.raises(ValueError, match=r"found them in \['close', 'shift'\]"):
     testing.window_collectives(LOOP_TEXT)
+
+
+# What XLA:GPU prints: asynchronous collectives, a "-start" that launches
+# the transfer and a "-done" that waits for it (an all-gather-start's shape
+# is the tuple of its operand and result), and a reduce-scatter wrapped in
+# an async-start that calls it. The scan body all-reduces and permutes on
+# every micro-batch; an all-gather runs before the loop; the closing branch
+# of the window's conditional all-reduces, reduce-scatters and all-gathers
+# (as a sharded optimizer state's window does).
+ASYNC_TEXT = """\
+HloModule jit_gpu_step, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%body (state: (s32[], f32[2,32])) -> (s32[], f32[2,32]) {
+  %state = (s32[], f32[2,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %total = f32[2,32]{1,0} get-tuple-element(%state), index=1
+  %grad.start = f32[2,32]{1,0} all-reduce-start(f32[2,32]{1,0} %total), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add, backend_config={"collective_backend_config":{"is_sync":false}}
+  %grad.done = f32[2,32]{1,0} all-reduce-done(f32[2,32]{1,0} %grad.start)
+  %shift.start = (f32[2,32]{1,0}, f32[2,32]{1,0}, u32[], u32[]) collective-permute-start(f32[2,32]{1,0} %grad.done), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %shift.done = f32[2,32]{1,0} collective-permute-done((f32[2,32]{1,0}, f32[2,32]{1,0}, u32[], u32[]) %shift.start)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %carry = (s32[], f32[2,32]{1,0}) tuple(%next, %shift.done)
+}
+
+%cond (cond.state: (s32[], f32[2,32])) -> pred[] {
+  %cond.state = (s32[], f32[2,32]{1,0}) parameter(0)
+  %cond.i = s32[] get-tuple-element(%cond.state), index=0
+  %limit = s32[] constant(4)
+  ROOT %more = pred[] compare(%cond.i, %limit), direction=LT
+}
+
+%keep_open (open.param: (f32[2,32])) -> (f32[2,32]) {
+  ROOT %open.param = (f32[2,32]{1,0}) parameter(0)
+}
+
+%scatter (scatter.param: f32[2,32]) -> f32[2,4] {
+  %scatter.param = f32[2,32]{1,0} parameter(0)
+  ROOT %scattered = f32[2,4]{1,0} reduce-scatter(%scatter.param), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={1}, to_apply=%add
+}
+
+%close (close.param: (f32[2,32])) -> (f32[2,32]) {
+  %close.param = (f32[2,32]{1,0}) parameter(0)
+  %close.gte = f32[2,32]{1,0} get-tuple-element(%close.param), index=0
+  %window.start = f32[2,32]{1,0} all-reduce-start(f32[2,32]{1,0} %close.gte), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %window.done = f32[2,32]{1,0} all-reduce-done(f32[2,32]{1,0} %window.start)
+  %shards.start = ((f32[2,32]{1,0}), f32[2,4]{1,0}) async-start(f32[2,32]{1,0} %window.done), calls=%scatter
+  %shards.done = f32[2,4]{1,0} async-done(((f32[2,32]{1,0}), f32[2,4]{1,0}) %shards.start)
+  %updates.start = (f32[2,4]{1,0}, f32[2,32]{1,0}) all-gather-start(f32[2,4]{1,0} %shards.done), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={1}
+  %updates.done = f32[2,32]{1,0} all-gather-done((f32[2,4]{1,0}, f32[2,32]{1,0}) %updates.start)
+  ROOT %closed = (f32[2,32]{1,0}) tuple(%updates.done)
+}
+
+ENTRY %main (p0: f32[2,32], p1: pred[], p2: bf16[16]) -> (f32[2,32]) {
+  %p0 = f32[2,32]{1,0} parameter(0)
+  %p1 = pred[] parameter(1)
+  %p2 = bf16[16]{0} parameter(2)
+  %gather.start = (bf16[16]{0}, bf16[128]{0}) all-gather-start(bf16[16]{0} %p2), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %gather.done = bf16[128]{0} all-gather-done((bf16[16]{0}, bf16[128]{0}) %gather.start)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[2,32]{1,0}) tuple(%zero, %p0)
+  %loop = (s32[], f32[2,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %sums = f32[2,32]{1,0} get-tuple-element(%loop), index=1
+  %window = (f32[2,32]{1,0}) tuple(%sums)
+  ROOT %update = (f32[2,32]{1,0}) conditional(%p1, %window, %window), branch_computations={%keep_open, %close}
+}
+"""
+
+# Each asynchronous collective counts once, at its "-start", with the bytes
+# of the operand it sends; a "-done" moves nothing new.
+ASYNC_IN_LOOP = [
+  Collective("body", "grad.start", "all-reduce-start", 2 * 32 * 4),
+  Collective("body", "shift.start", "collective-permute-start", 2 * 32 * 4),
+]
+ASYNC_BEFORE_LOOP = Collective("main", "gather.start", "all-gather-start", 32)
+ASYNC_CLOSING = [
+  Collective("scatter", "scattered", "reduce-scatter", 2 * 32 * 4),
+  Collective("close", "window.start", "all-reduce-start", 2 * 32 * 4),
+  Collective("close", "updates.start", "all-gather-start", 2 * 4 * 4),
+]
+
+
+def test_collectives_in_hlo_counts_asynchronous_collectives_once():
+  found = testing.collectives_in_hlo(testing.parse_hlo(ASYNC_TEXT))
+  assert sorted(found) == sorted(
+    [*ASYNC_IN_LOOP, ASYNC_BEFORE_LOOP, *ASYNC_CLOSING]
+  )
+  assert not [c for c in found if c.opcode.endswith("-done")]
+
+
+def test_loop_collectives_sees_asynchronous_collectives_in_the_body():
+  # On a GPU, "nothing moves inside the scan" must not hold because the
+  # audit cannot read what the GPU prints.
+  assert testing.loop_collectives(ASYNC_TEXT) == ASYNC_IN_LOOP
+
+
+def test_window_collectives_sees_asynchronous_collectives_on_both_paths():
+  found = testing.window_collectives(ASYNC_TEXT)
+  assert found.closing_branch == "close"
+  assert sorted(found.window_closing) == sorted(ASYNC_CLOSING)
+  assert sorted(found.every_micro_step) == sorted(
+    [*ASYNC_IN_LOOP, ASYNC_BEFORE_LOOP]
+  )
+
+
+def test_an_asynchronous_all_reduce_in_the_open_branch_is_refused():
+  text = ASYNC_TEXT.replace(
+    "branch_computations={%keep_open, %close}",
+    "branch_computations={%close, %keep_open}",
+  )
+  with pytest.raises(ValueError, match="last one of its conditional"):
+    testing.window_collectives(text)
 
 
 def test_parse_hlo_rejects_text_without_an_entry():

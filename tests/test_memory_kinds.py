@@ -164,6 +164,74 @@ def test_fused_path_keeps_the_state_there_and_the_numbers():
   )
 
 
+@pytest.mark.parametrize("path", ["accumulate", "accumulate_and_apply"])
+def test_host_memory_matches_the_large_batch(path):
+  """The anchor: host-memory state against ``jax.grad`` of each window.
+
+  The runs above compare ga_optax with ga_optax; this one compares it with
+  the bare optimizer stepped once per window on the gradient of the
+  window's whole batch. SGD with momentum is linear in the gradient (a
+  wrong scale shows) and keeps a state to place in host memory; the
+  windows hold unequal numbers of rows, the last one flushed.
+  """
+  optimizer = optax.sgd(0.1, momentum=0.5)
+  kinds = {"accumulator_memory_kind": HOST, "inner_state_memory_kind": HOST}
+  rng = np.random.default_rng(5)
+  sizes = [[1, 4, 2], [3, 3, 4], [2, 1]]
+  windows = [
+    [
+      {
+        "x": jnp.asarray(rng.normal(size=(size, 3)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(size, 4)), jnp.float32),
+      }
+      for size in window
+    ]
+    for window in sizes
+  ]
+
+  def loss(params, batch):
+    prediction = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean(((prediction - batch["y"]) ** 2).sum(-1))
+
+  if path == "accumulate":
+    tx = ga_optax.accumulate(optimizer, K, **kinds)
+
+    def step(params, state, batch, flush):
+      grads = jax.grad(loss)(params, batch)
+      updates, state = tx.update(
+        grads, state, params, weight=batch["x"].shape[0], flush=flush
+      )
+      return optax.apply_updates(params, updates), state
+
+    init = tx.init
+  else:
+    fused = ga_optax.accumulate_and_apply(optimizer, K, **kinds)
+
+    def step(params, state, batch, flush):
+      grads = jax.grad(loss)(params, batch)
+      return fused.apply(
+        params, grads, state, weight=batch["x"].shape[0], flush=flush
+      )
+
+    init = fused.init
+  step = jax.jit(step)
+  params = _params()
+  state = init(params)
+  expected, opt_state = _params(), optimizer.init(_params())
+  for window in windows:
+    for index, batch in enumerate(window):
+      flush = len(window) < K and index == len(window) - 1
+      params, state = step(params, state, batch, flush)
+      assert_placed(state, HOST, HOST)
+    large_batch = jax.tree.map(lambda *rows: jnp.concatenate(rows), *window)
+    grads = jax.grad(loss)(expected, large_batch)
+    updates, opt_state = optimizer.update(grads, opt_state, expected)
+    expected = optax.apply_updates(expected, updates)
+    assert_finite((params, expected))
+    chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
+  assert int(state.update_step) == len(windows)
+
+
 def test_inside_optax_chain():
   def run(**kinds):
     tx = optax.chain(

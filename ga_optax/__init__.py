@@ -12,6 +12,7 @@ from ga_optax._src.microbatch import (
   microbatched_value_and_grad,
   unreduced_value_and_grad,
 )
+from ga_optax._src.noise_scale import NoiseScale
 from ga_optax._src.parallel.partial_sums import (
   consolidate,
   split_total,
@@ -27,6 +28,7 @@ from ga_optax._src.state import (
   AccumulateState,
   applied_updates,
   emitted,
+  noise_scale,
   num_skipped,
 )
 from ga_optax._src.transform import (
@@ -42,6 +44,7 @@ __all__ = [
   "ElasticPlan",
   "FusedAccumulation",
   "MicrobatchPlan",
+  "NoiseScale",
   "accumulate",
   "accumulate_and_apply",
   "applied_updates",
@@ -53,6 +56,7 @@ __all__ = [
   "emitted",
   "micro_step_bytes",
   "microbatched_value_and_grad",
+  "noise_scale",
   "num_skipped",
   "plan_microbatch",
   "split_total",

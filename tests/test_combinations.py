@@ -13,8 +13,9 @@ mid-window by every way its mode offers (a plain copy, ``stack`` /
 Every case runs the same ten micro-steps through all the other features at
 once: token weights (every micro-batch holds its own number of real rows,
 each device its own share), a ``{update_step: k}`` schedule (k = 2, then 3),
-a traced ``flush`` that closes a short window, and a micro-step whose
-gradients are NaN, dropped by ``skip_nonfinite``. The windows that result
+a traced ``flush`` that closes a short window, a micro-step whose gradients
+are NaN, dropped by ``skip_nonfinite``, and the gradient noise scale, held
+to a NumPy computation of the contract from each mode's micro-gradients. The windows that result
 hold unequal weights, and plain SGD makes the update the gradient's own
 scale: each case must end where the one-device large batch ends, computed
 with ``jax.grad`` over each window's rows and the bare optimizer.
@@ -58,6 +59,7 @@ FLUSH_STEP = 6  # closes the third window after 2 of its 3 micro-steps
 # What the schedule, the skip and the flush make of the ten micro-steps.
 WINDOWS = ((0, 1), (2, 4), (5, 6), (7, 8, 9))
 CHECKPOINT_AFTER = 7  # mid-way through the last window
+NOISE_DECAY = 0.5
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() < DEVICES, reason="needs 8 (simulated) devices"
@@ -92,6 +94,62 @@ def reference(params: Any, batches: list[dict[str, np.ndarray]]) -> Any:
   return large_batch_reference(SGD, params, windows)
 
 
+_micro_grad = jax.jit(jax.grad(token_mean_loss))
+
+
+def micro_gradients(parallel: str, params: Any, batch: Any) -> list:
+  """The micro-gradients one micro-step adds, as the mode defines them."""
+  if parallel in ("one_device", "shard_map_checked"):
+    return [(flat(_micro_grad(params, batch)), float(batch["mask"].sum()))]
+  shares = [
+    {name: array[ROWS * d : ROWS * (d + 1)] for name, array in batch.items()}
+    for d in range(DEVICES)
+  ]
+  if parallel == "shard_map_unchecked":
+    return [
+      (flat(_micro_grad(params, rows)), float(rows["mask"].sum()))
+      for rows in shares
+    ]
+  # Plain jit: a device's partial sum n_d g_d / N, times D, of weight N / D.
+  total = float(batch["mask"].sum())
+  return [
+    (
+      DEVICES
+      * float(rows["mask"].sum())
+      / total
+      * flat(_micro_grad(params, rows)),
+      total / DEVICES,
+    )
+    for rows in shares
+  ]
+
+
+def flat(tree: Any) -> np.ndarray:
+  return np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(tree)])
+
+
+def noise_reference(parallel: str, params: Any, batches: list) -> tuple:
+  """The contract's smoothed estimates, along the large batch's trajectory."""
+  grad_sq = trace_sigma = debias = 0.0
+  for window in WINDOWS:
+    kept = [
+      (g, w)
+      for index in window
+      for g, w in micro_gradients(parallel, params, batches[index])
+      if w > 0
+    ]
+    weight = sum(w for _, w in kept)
+    mean = sum(w * g for g, w in kept) / weight
+    squares = sum(w * float(g @ g) for g, w in kept)
+    window_trace = (squares - weight * float(mean @ mean)) / (len(kept) - 1)
+    window_grad_sq = float(mean @ mean) - window_trace / weight
+    grad_sq = NOISE_DECAY * grad_sq + (1 - NOISE_DECAY) * window_grad_sq
+    trace_sigma = NOISE_DECAY * trace_sigma + (1 - NOISE_DECAY) * window_trace
+    debias = NOISE_DECAY * debias + (1 - NOISE_DECAY)
+    params = large_batch_reference(SGD, params, [[batches[i] for i in window]])
+  return grad_sq / debias, trace_sigma / debias
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
   parallel: str
@@ -101,7 +159,10 @@ class Case:
 
   @property
   def options(self) -> dict[str, Any]:
-    options: dict[str, Any] = {"skip_nonfinite": True}
+    options: dict[str, Any] = {
+      "skip_nonfinite": True,
+      "noise_scale_decay": NOISE_DECAY,
+    }
     if self.residency in ("accumulator_host", "both_host"):
       options["accumulator_memory_kind"] = "pinned_host"
     if self.residency == "both_host":
@@ -287,3 +348,11 @@ def test_the_combination_ends_where_the_large_batch_ends(case: Case):
   assert int(ga_optax.applied_updates(state)) == len(WINDOWS)
   assert int(ga_optax.num_skipped(state)) == 1
   assert_finite_and_close(params, expected)
+  estimate = ga_optax.noise_scale(state)
+  grad_sq, trace_sigma = noise_reference(case.parallel, init_params(), batches)
+  assert int(estimate.windows) == len(WINDOWS)
+  np.testing.assert_allclose(
+    [float(estimate.grad_sq), float(estimate.trace_sigma)],
+    [grad_sq, trace_sigma],
+    rtol=1e-4,
+  )

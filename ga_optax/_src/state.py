@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ga_optax._src.noise_scale import NoiseScale, Smoothed, WindowNoise, read
+
 
 class AccumulateState(NamedTuple):
   """State of :func:`ga_optax.accumulate`: a plain pytree that jits and checkpoints.
@@ -42,6 +44,10 @@ class AccumulateState(NamedTuple):
       ``accumulator_memory_kind`` its leaves live in that memory kind.
     inner_state: the wrapped optimizer's state, in
       ``inner_state_memory_kind`` when one is given.
+    noise_scale: with ``noise_scale_decay``, the open window's sums for
+      the gradient noise scale and the averages over closed windows (read
+      them with :func:`ga_optax.noise_scale`); None (no leaves, no cost)
+      without.
   """
 
   micro_step: jax.Array
@@ -51,6 +57,7 @@ class AccumulateState(NamedTuple):
   weight_sum: jax.Array
   accumulator: optax.Updates
   inner_state: optax.OptState
+  noise_scale: WindowNoise | None = None
 
 
 def check_state(state: Any) -> AccumulateState:
@@ -171,3 +178,47 @@ def num_skipped(state: Any) -> jax.Array:
     (1, 0)
   """
   return jnp.asarray(find_state(state).num_skipped)
+
+
+def noise_scale(state: Any) -> NoiseScale:
+  """The gradient noise scale measured by ``accumulate(..., noise_scale_decay=...)``.
+
+  ``b_simple`` estimates the critical batch size, in the unit of the
+  weights (items; micro-batches at the default weight 1): far below it, a
+  larger batch cuts the steps to a given loss nearly in proportion; far
+  above it, the extra items are wasted (see docs/how-to/batch-size.md).
+
+  Args:
+    state: an :class:`AccumulateState` made with ``noise_scale_decay``, any
+      optimizer state that holds exactly one, or the averages kept by
+      :func:`ga_optax.smooth_noise_scale`.
+
+  Returns:
+    A :class:`ga_optax.NoiseScale`: NaN until a window of at least 2
+    micro-gradients has closed.
+
+  Raises:
+    ValueError: the state holds no ``AccumulateState`` (or several), or
+      was made without ``noise_scale_decay``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> tx = ga_optax.accumulate(optax.sgd(0.0), 2, noise_scale_decay=0.0)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for grad in ([1.0, 1.0], [3.0, 1.0]):
+    ...   _, state = tx.update(jnp.array(grad), state, params)
+    >>> estimate = ga_optax.noise_scale(state)
+    >>> float(estimate.trace_sigma), float(estimate.grad_sq)
+    (2.0, 4.0)
+  """
+  if isinstance(state, Smoothed):
+    return read(state)
+  found = find_state(state).noise_scale
+  if found is None:
+    raise ValueError(
+      "state holds no noise scale: pass noise_scale_decay to"
+      " ga_optax.accumulate (for example noise_scale_decay=0.99) to measure"
+      " it."
+    )
+  return read(jax.tree.map(jnp.asarray, found.smoothed))

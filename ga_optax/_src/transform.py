@@ -17,7 +17,14 @@ from typing import Any, NamedTuple, Protocol
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src import eager, parallel, precision, residency, validation
+from ga_optax._src import (
+  eager,
+  noise_scale,
+  parallel,
+  precision,
+  residency,
+  validation,
+)
 from ga_optax._src import every_k as every_k_lib
 from ga_optax._src.output import ApplyToParams, EmitUpdates
 from ga_optax._src.state import AccumulateState
@@ -37,10 +44,19 @@ def resolve(
   accumulator_memory_kind: Any,
   inner_state_memory_kind: Any,
   inner_state_axes: Any,
+  noise_scale_decay: Any,
 ) -> Window:
   """Checks the arguments of :func:`accumulate`; returns the window they ask for."""
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
+  reduction = validation.check_reduction(reduction)
+  decay = noise_scale.check_decay(noise_scale_decay)
+  if decay is not None and reduction != "mean":
+    raise ValueError(
+      "noise_scale_decay measures the spread of the micro-gradients around"
+      " their weighted mean, which reduction='mean' emits; got"
+      f" reduction={reduction!r}."
+    )
   schedule = every_k_lib.as_schedule(every_k)
   accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
   # Points at the user's call of accumulate or accumulate_and_apply.
@@ -50,7 +66,7 @@ def resolve(
   return Window(
     inner=validation.check_optimizer(optimizer),
     schedule=schedule,
-    reduction=validation.check_reduction(reduction),
+    reduction=reduction,
     accumulator_dtype=accumulator_dtype,
     skip_nonfinite=skip_nonfinite,
     parallel=parallel.resolve(axis_name, unreduced_axes, inner_state_axes),
@@ -69,6 +85,9 @@ def resolve(
       argument="inner_state_memory_kind",
     ),
     output=output,
+    noise=noise_scale.Unmeasured()
+    if decay is None
+    else noise_scale.Measured(decay),
   )
 
 
@@ -113,6 +132,7 @@ def accumulate(
   accumulator_memory_kind: str | None = None,
   inner_state_memory_kind: str | None = None,
   inner_state_axes: Any = None,
+  noise_scale_decay: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` micro-steps, then steps ``optimizer``.
 
@@ -214,6 +234,17 @@ def accumulate(
       like the params overrides the rule for each parameter's gradient and
       the state leaves that mirror it (see
       docs/how-to/sharded-optimizer-state.md).
+    noise_scale_decay: None (the default) measures nothing and costs
+      nothing. A number in [0, 1) measures the gradient noise scale from
+      each window's micro-gradients (those of positive weight; skipped
+      ones do not count), smooths the per-window estimates with that
+      decay (0 keeps the last window's) and keeps them in the state for
+      :func:`ga_optax.noise_scale` to read. A micro-step adds one squared
+      norm on its device; a closing call adds one scalar reduction. With
+      ``axis_name`` each device's gradient is a micro-gradient; with
+      ``unreduced_axes`` each device's partial sum is taken as one, of an
+      equal share of the micro-step's weight. Needs
+      ``reduction="mean"``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -257,6 +288,7 @@ def accumulate(
     accumulator_memory_kind=accumulator_memory_kind,
     inner_state_memory_kind=inner_state_memory_kind,
     inner_state_axes=inner_state_axes,
+    noise_scale_decay=noise_scale_decay,
   )
   step = compiled_step(window)
 
@@ -318,6 +350,7 @@ def accumulate_and_apply(
   accumulator_memory_kind: str | None = None,
   inner_state_memory_kind: str | None = None,
   inner_state_axes: Any = None,
+  noise_scale_decay: float | None = None,
 ) -> FusedAccumulation:
   """Gradient accumulation that updates the params itself, in one call.
 
@@ -354,6 +387,8 @@ def accumulate_and_apply(
     inner_state_axes: with ``unreduced_axes``, the mesh axes (or a tree of
       specs) to shard ``optimizer``'s state over, as for
       :func:`ga_optax.accumulate`.
+    noise_scale_decay: measure the gradient noise scale, as for
+      :func:`ga_optax.accumulate`.
 
   Returns:
     A :class:`FusedAccumulation` ``(init, apply)``.
@@ -386,6 +421,7 @@ def accumulate_and_apply(
     accumulator_memory_kind=accumulator_memory_kind,
     inner_state_memory_kind=inner_state_memory_kind,
     inner_state_axes=inner_state_axes,
+    noise_scale_decay=noise_scale_decay,
   )
   step = compiled_step(window)
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from ga_optax._src import dtypes, every_k, residency, validation
+from ga_optax._src.noise_scale import Measured, Unmeasured
 from ga_optax._src.output import ApplyToParams, EmitUpdates
 from ga_optax._src.parallel import Parallel
 from ga_optax._src.state import AccumulateState, check_state
@@ -83,6 +84,7 @@ class Window:
     accumulator_home: where the accumulator is kept between calls.
     inner_state_home: where the wrapped optimizer's state is kept.
     output: what a call returns (updates, or new params).
+    noise: whether and how the gradient noise scale is measured.
   """
 
   inner: optax.GradientTransformationExtraArgs
@@ -94,6 +96,7 @@ class Window:
   accumulator_home: residency.Residency
   inner_state_home: residency.Residency
   output: EmitUpdates | ApplyToParams
+  noise: Unmeasured | Measured
 
   @property
   def weight_dtype(self) -> jnp.dtype:
@@ -124,6 +127,7 @@ class Window:
         self.parallel.init_accumulator(accumulator), unplaced=unplaced
       ),
       inner_state=self.inner_state_home.keep(inner_state, unplaced=unplaced),
+      noise_scale=self.noise.init(self.parallel),
     )
 
   def update(
@@ -150,14 +154,18 @@ class Window:
     admitted = self.admit(grads, state, weight)
     decision = self.decide(state, admitted, flush)
     accumulator = self.add(state, grads, weight, admitted, decision)
+    noise = self.noise.add(
+      state.noise_scale, grads, weight, admitted.accepted, self.parallel
+    )
     closing = Closing(self, grads, state, params, extra_args)
-    output, inner_state, stepped = jax.lax.cond(
+    output, inner_state, noise, stepped = jax.lax.cond(
       decision.steps,
       functools.partial(closing.close, weight_sum=admitted.weight_sum),
       closing.keep_open,
       closing.operands(
         accumulator,
         self.inner_state_home.keep(state.inner_state),
+        noise,
         predicate=decision.steps,
       ),
     )
@@ -175,6 +183,7 @@ class Window:
         output if closing.carrier == "accumulator" else accumulator
       ),
       inner_state=inner_state,
+      noise_scale=self.noise.reset(noise, decision.closes),
     )
     return closing.emit(output, stepped), new_state
 
@@ -287,7 +296,12 @@ class Closing:
     return self.window.output.carrier(self.updates_like, carriers)
 
   def operands(
-    self, accumulator: Any, inner_state: Any, *, predicate: jax.Array
+    self,
+    accumulator: Any,
+    inner_state: Any,
+    noise: Any,
+    *,
+    predicate: jax.Array,
   ) -> dict[str, Any]:
     """What the conditional takes: all that either branch reads or returns.
 
@@ -303,6 +317,7 @@ class Closing:
       "params": self.params,
       "accumulator": accumulator,
       "inner_state": inner_state,
+      "noise": noise,
       "not_stepped": predicate,
     }
     if self.carrier == "grads":
@@ -311,17 +326,20 @@ class Closing:
       operands["zeros"] = optax.tree.zeros_like(self.updates_like)
     return operands
 
-  def keep_open(self, operands: dict[str, Any]) -> tuple[Any, Any, jax.Array]:
+  def keep_open(
+    self, operands: dict[str, Any]
+  ) -> tuple[Any, Any, Any, jax.Array]:
     """The open branch: operands handed back untouched, and nothing else."""
     return (
       operands[self.carrier],
       operands["inner_state"],
+      operands["noise"],
       operands["not_stepped"],
     )
 
   def close(
     self, operands: dict[str, Any], *, weight_sum: Any
-  ) -> tuple[Any, Any, jax.Array]:
+  ) -> tuple[Any, Any, Any, jax.Array]:
     """The closing branch: reduce, normalise, step the optimizer once."""
     window = self.window
     sums, total_weight = window.parallel.reduce(
@@ -336,7 +354,7 @@ class Closing:
       # them, which then no longer only forwards its operands. A barrier is
       # an op XLA:GPU does not turn into selects: the conditional stays.
       reduced = jax.lax.optimization_barrier(reduced)
-    step = functools.partial(self.step_inner, reduced)
+    step = functools.partial(self.step_inner, reduced, total_weight)
     if window.parallel.weights_are_global:
       return step(operands)
     # Only here is the window's total weight known: a nested conditional,
@@ -351,8 +369,8 @@ class Closing:
     )
 
   def step_inner(
-    self, reduced: Any, operands: dict[str, Any]
-  ) -> tuple[Any, Any, jax.Array]:
+    self, reduced: Any, total_weight: jax.Array, operands: dict[str, Any]
+  ) -> tuple[Any, Any, Any, jax.Array]:
     """The wrapped optimizer's one step on the window's reduced gradient."""
     window, params = self.window, operands["params"]
     # A state kept in host memory visits the device here, and only here.
@@ -368,7 +386,10 @@ class Closing:
     output = window.output.closing_output(
       updates, params, operands[self.carrier]
     )
-    return output, new_inner_state, jnp.asarray(True)
+    noise = window.noise.close(
+      operands["noise"], reduced, total_weight, window.parallel
+    )
+    return output, new_inner_state, noise, jnp.asarray(True)
 
   def emit(self, output: Any, stepped: jax.Array) -> Any:
     """The conditional's output as the caller sees it."""

@@ -87,6 +87,28 @@ class Parallel(Protocol):
     """The window's sum and weight over every device (closing only)."""
     ...
 
+  def noise_terms_zero(self) -> tuple[jax.Array, jax.Array]:
+    """Empty sums for the noise scale, typed as :meth:`noise_terms` adds."""
+    ...
+
+  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
+    """This device's share of ``sum w |g|^2`` and of K for one micro-step.
+
+    What a micro-gradient is depends on where the window lives: a device's
+    own gradient and weight where each device has its own, the micro-step's
+    gradient where they are already summed.
+    """
+    ...
+
+  def reduce_noise(
+    self,
+    square_sum: jax.Array,
+    micro_gradients: jax.Array,
+    total_weight: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The window's ``sum w |g|^2``, K and W over every device (closing only)."""
+    ...
+
   def inner_update(
     self,
     inner: optax.GradientTransformationExtraArgs,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ga_optax._src import noise_scale
 from ga_optax._src.parallel import axes as axes_lib
 
 
@@ -60,6 +61,24 @@ class Local:
   ) -> tuple[Any, jax.Array]:
     del params
     return accumulator, weight_sum
+
+  def noise_terms_zero(self) -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+
+  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
+    # Each call's gradient is one micro-gradient; one of weight 0 adds
+    # nothing (its gradient may be 0 / 0).
+    weight = jnp.asarray(weight, jnp.float32)
+    square = jnp.where(weight > 0, weight * noise_scale.square_norm(grads), 0.0)
+    return square, (weight > 0).astype(jnp.int32)
+
+  def reduce_noise(
+    self,
+    square_sum: jax.Array,
+    micro_gradients: jax.Array,
+    total_weight: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return square_sum, micro_gradients, total_weight
 
   def inner_update(
     self,

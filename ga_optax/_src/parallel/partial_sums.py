@@ -154,12 +154,12 @@ def consolidate(tree: Any, axis_name: Any = None) -> Any:
   axes = _untracked_axes(axis_name, "consolidate")
 
   def total(state: AccumulateState) -> Any:
-    accumulator, weight_sum = jax.lax.psum(
-      (residency.to_device(state.accumulator), state.weight_sum), axes
+    accumulator, sums = jax.lax.psum(
+      (residency.to_device(state.accumulator), _window_sums(state)), axes
     )
-    return state._replace(
-      accumulator=_in_kind_of(accumulator, state.accumulator),
-      weight_sum=weight_sum,
+    return _with_window_sums(
+      state._replace(accumulator=_in_kind_of(accumulator, state.accumulator)),
+      sums,
     )
 
   return _map_states(total, tree)
@@ -202,16 +202,33 @@ def split_total(tree: Any, like: Any = None, axis_name: Any = None) -> Any:
   first = jax.lax.axis_index(axes) == 0
 
   def keep_on_first(state: AccumulateState) -> Any:
-    accumulator, weight_sum = jax.tree.map(
+    accumulator, sums = jax.tree.map(
       lambda leaf: jnp.where(first, leaf, jnp.zeros_like(leaf)),
-      (residency.to_device(state.accumulator), state.weight_sum),
+      (residency.to_device(state.accumulator), _window_sums(state)),
     )
-    return state._replace(
-      accumulator=_in_kind_of(accumulator, state.accumulator),
-      weight_sum=weight_sum,
+    return _with_window_sums(
+      state._replace(accumulator=_in_kind_of(accumulator, state.accumulator)),
+      sums,
     )
 
   return _map_states(keep_on_first, tree)
+
+
+def _window_sums(state: AccumulateState) -> Any:
+  """The open window's scalar sums kept per device: weights, noise terms."""
+  noise = state.noise_scale
+  if noise is None:
+    return (state.weight_sum,)
+  return (state.weight_sum, noise.square_sum, noise.micro_gradients)
+
+
+def _with_window_sums(state: AccumulateState, sums: Any) -> AccumulateState:
+  """``state`` with the sums of :func:`_window_sums` replaced."""
+  state = state._replace(weight_sum=sums[0])
+  if state.noise_scale is None:
+    return state
+  noise = state.noise_scale._replace(square_sum=sums[1], micro_gradients=sums[2])
+  return state._replace(noise_scale=noise)
 
 
 def _untracked_axes(axis_name: Any, caller: str) -> axes_lib.Axes:

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
+from ga_optax._src import noise_scale
 from ga_optax._src.parallel import axes as axes_lib
 
 
@@ -152,3 +154,68 @@ class Unreduced:
     extra_args: dict[str, Any],
   ) -> tuple[Any, Any]:
     return self.state.update(inner, grads, inner_state, params, extra_args)
+
+  def noise_terms_zero(self) -> tuple[jax.Array, jax.Array]:
+    zero = jax.reshard(
+      jnp.zeros((), jnp.float32),
+      PartitionSpec(unreduced=frozenset(_explicit_axes())),
+    )
+    return zero, jnp.zeros((), jnp.int32)
+
+  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
+    """Each device's partial sum as a micro-gradient of the batch's D-th part.
+
+    A device's partial sum ``p_d`` of a micro-step of global weight N is
+    taken as its micro-gradient ``g_d = D p_d``, of weight ``N / D``: exact
+    when the devices' rows weigh the same. Its share ``N D |p_d|^2`` stays
+    on the device, as a scalar unreduced over the mesh axes like the
+    accumulator's partial sums; K grows by D.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = _explicit_axes()
+    devices = math.prod(mesh.shape[axis] for axis in self.unreduced_axes)
+    leaves = jax.tree.leaves(grads)
+    specs = tuple(axes_lib.spec_of(leaf) for leaf in leaves)
+
+    def per_device(weight: jax.Array, *blocks: jax.Array) -> jax.Array:
+      square = jnp.zeros((), jnp.float32)
+      for block, spec in zip(blocks, specs, strict=True):
+        # A leaf whole on several devices of an axis is counted once.
+        spread = axes_lib.sharded_axes(spec) | set(spec.unreduced)
+        copies = math.prod(mesh.shape[a] for a in axes if a not in spread)
+        square = square + noise_scale.square_norm(block) / copies
+      share = jnp.where(weight > 0, weight * devices * square, 0.0)
+      return share[None]
+
+    shares = jax.shard_map(
+      per_device,
+      in_specs=(PartitionSpec(), *specs),
+      out_specs=PartitionSpec(axes),
+      check_vma=False,
+    )(jnp.asarray(weight, jnp.float32), *leaves)
+    square = jnp.einsum(
+      "d->", shares, out_sharding=PartitionSpec(unreduced=frozenset(axes))
+    )
+    count = jnp.where(weight > 0, devices, 0).astype(jnp.int32)
+    return square, count
+
+  def reduce_noise(
+    self,
+    square_sum: jax.Array,
+    micro_gradients: jax.Array,
+    total_weight: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return (
+      jax.reshard(square_sum, PartitionSpec()),
+      micro_gradients,
+      total_weight,
+    )
+
+
+def _explicit_axes() -> axes_lib.Axes:
+  """Every Explicit axis of the mesh: those a partial sum can vary over."""
+  return tuple(
+    axis
+    for axis, kind in axes_lib.mesh_axis_types().items()
+    if kind == AxisType.Explicit
+  )

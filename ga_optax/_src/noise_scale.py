@@ -1,0 +1,273 @@
+"""The gradient noise scale, measured from the window's own micro-gradients.
+
+A window holds K micro-gradients ``g_i``, each the gradient of the mean loss
+over ``w_i`` items, and their weighted mean ``G = sum(w_i g_i) / W`` with
+``W = sum(w_i)``. Then (McCandlish et al. 2018, "An Empirical Model of
+Large-Batch Training", appendix A, in its weighted form)
+
+    trace_sigma = (sum_i w_i |g_i|^2 - W |G|^2) / (K - 1)
+    grad_sq     = |G|^2 - trace_sigma / W
+
+are unbiased estimates of tr(Sigma), the trace of the per-item gradient
+covariance, and of |G|^2, the true gradient's squared norm. Their ratio
+``B_simple = tr(Sigma) / |G|^2`` estimates the critical batch size. One
+window's estimates are noisy (``grad_sq`` is often negative when
+``B_simple`` exceeds the window's batch), so each is smoothed on its own by
+an exponential moving average, debiased like Adam's moments, and only the
+smoothed values are divided: the ratio of noisy estimates is biased.
+
+The window pays for it with one squared norm per micro-step, read from the
+gradient the add reads anyway, and one scalar reduction when it closes.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class NoiseScale(NamedTuple):
+  """The smoothed gradient noise scale, as :func:`ga_optax.noise_scale` reads it.
+
+  Attributes:
+    b_simple: ``trace_sigma / grad_sq``, the simple noise scale, an estimate
+      of the critical batch size in items (the unit of the weights). NaN
+      until a window has been measured; infinite or negative when the
+      smoothed ``grad_sq`` is 0 or negative (the gradient is lost in the
+      noise at this batch size), returned as computed.
+    grad_sq: smoothed, debiased estimate of |G|^2.
+    trace_sigma: smoothed, debiased estimate of tr(Sigma), per item.
+    windows: windows measured (those of at least 2 micro-gradients).
+  """
+
+  b_simple: jax.Array
+  grad_sq: jax.Array
+  trace_sigma: jax.Array
+  windows: jax.Array
+
+
+class WindowEstimate(NamedTuple):
+  """One window's raw, unbiased estimates.
+
+  Attributes:
+    grad_sq: estimate of |G|^2 from this window alone.
+    trace_sigma: estimate of tr(Sigma) from this window alone.
+    measured: whether the window held at least 2 micro-gradients (else both
+      estimates are meaningless and :func:`smooth` leaves the average be).
+  """
+
+  grad_sq: jax.Array
+  trace_sigma: jax.Array
+  measured: jax.Array
+
+
+class Smoothed(NamedTuple):
+  """Exponential moving averages of the window estimates.
+
+  Attributes:
+    grad_sq: the average of ``grad_sq`` estimates, not yet debiased.
+    trace_sigma: the same for ``trace_sigma``.
+    debias: ``1 - decay ** windows``, what the averages are divided by.
+    windows: windows measured.
+  """
+
+  grad_sq: jax.Array
+  trace_sigma: jax.Array
+  debias: jax.Array
+  windows: jax.Array
+
+
+class WindowNoise(NamedTuple):
+  """The noise scale's part of an :class:`ga_optax.AccumulateState`.
+
+  Attributes:
+    square_sum: ``sum_i w_i |g_i|^2`` over the open window's
+      micro-gradients, as this device holds it.
+    micro_gradients: K, the open window's micro-gradients of positive
+      weight, as this device counts them.
+    smoothed: the averages over the windows closed so far.
+  """
+
+  square_sum: jax.Array
+  micro_gradients: jax.Array
+  smoothed: Smoothed
+
+
+def check_decay(decay: Any) -> float | None:
+  """``noise_scale_decay`` checked: None, or a real number in [0, 1).
+
+  Raises:
+    TypeError: not None and not a real number.
+    ValueError: outside [0, 1).
+  """
+  if decay is None:
+    return None
+  if isinstance(decay, bool) or not isinstance(decay, numbers.Real):
+    raise TypeError(
+      "noise_scale_decay must be None (no measurement) or a real number in"
+      f" [0, 1), got {decay!r} of type {type(decay).__name__}."
+    )
+  if not 0.0 <= float(decay) < 1.0:
+    raise ValueError(
+      "noise_scale_decay must be in [0, 1) (0 keeps only the last window's"
+      f" estimates; 0.99 averages over about 100 windows), got {decay}."
+    )
+  return float(decay)
+
+
+def init_smoothed() -> Smoothed:
+  """Averages over no window yet."""
+  zero = jnp.zeros((), jnp.float32)
+  return Smoothed(zero, zero, zero, jnp.zeros((), jnp.int32))
+
+
+def square_norm(tree: Any) -> jax.Array:
+  """``|tree|^2``, the sum of every leaf's squared elements, in float32."""
+  squares = [
+    jnp.sum(
+      jnp.abs(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))) ** 2
+    )
+    for leaf in jax.tree.leaves(tree)
+  ]
+  return sum(squares[1:], squares[0]) if squares else jnp.zeros(())
+
+
+def window_estimate(
+  square_sum: jax.Array,
+  micro_gradients: jax.Array,
+  weight: jax.Array,
+  mean_square: jax.Array,
+) -> WindowEstimate:
+  """The unbiased estimates of one window, from its sums.
+
+  Args:
+    square_sum: ``sum_i w_i |g_i|^2`` over the window.
+    micro_gradients: K, the number of micro-gradients.
+    weight: W, the sum of their weights.
+    mean_square: ``|G|^2`` of their weighted mean.
+  """
+  count = micro_gradients.astype(jnp.float32)
+  measured = micro_gradients >= 2
+  # Guards keep unmeasured windows from computing 0 / 0.
+  trace_sigma = (square_sum - weight * mean_square) / jnp.where(
+    measured, count - 1.0, 1.0
+  )
+  grad_sq = mean_square - trace_sigma / jnp.where(weight > 0, weight, 1.0)
+  return WindowEstimate(grad_sq, trace_sigma, measured)
+
+
+def smooth(
+  smoothed: Smoothed, estimate: WindowEstimate, decay: float
+) -> Smoothed:
+  """The averages after one more window; unchanged if it was not measured."""
+
+  def average(old: jax.Array, new: jax.Array) -> jax.Array:
+    return jnp.where(
+      estimate.measured, decay * old + (1.0 - decay) * new, old
+    ).astype(old.dtype)
+
+  return Smoothed(
+    grad_sq=average(smoothed.grad_sq, estimate.grad_sq),
+    trace_sigma=average(smoothed.trace_sigma, estimate.trace_sigma),
+    debias=average(smoothed.debias, jnp.ones((), smoothed.debias.dtype)),
+    windows=smoothed.windows + estimate.measured.astype(smoothed.windows.dtype),
+  )
+
+
+def read(smoothed: Smoothed) -> NoiseScale:
+  """The debiased averages and their ratio."""
+  grad_sq = smoothed.grad_sq / smoothed.debias
+  trace_sigma = smoothed.trace_sigma / smoothed.debias
+  return NoiseScale(
+    b_simple=trace_sigma / grad_sq,
+    grad_sq=grad_sq,
+    trace_sigma=trace_sigma,
+    windows=smoothed.windows,
+  )
+
+
+class Unmeasured:
+  """``noise_scale_decay=None``: nothing measured, nothing kept, no cost."""
+
+  def init(self, parallel: Any) -> None:
+    del parallel
+
+  def add(
+    self, noise: Any, grads: Any, weight: Any, accepted: Any, parallel: Any
+  ) -> None:
+    del noise, grads, weight, accepted, parallel
+
+  def close(
+    self,
+    noise: Any,
+    mean_grads: Any,
+    total_weight: jax.Array,
+    parallel: Any,
+  ) -> None:
+    del noise, mean_grads, total_weight, parallel
+
+  def reset(self, noise: Any, closes: jax.Array) -> None:
+    del noise, closes
+
+
+class Measured:
+  """Measures the window's noise scale, smoothing with ``decay``.
+
+  Each micro-step adds its share of ``sum_i w_i |g_i|^2`` and of K on the
+  device that computed it (the parallel strategy says what a device's
+  micro-gradient is); the closing branch reduces those two scalars over the
+  devices, forms the window's estimates from them and the reduced mean
+  gradient, and folds them into the averages.
+  """
+
+  def __init__(self, decay: float) -> None:
+    self.decay = decay
+
+  def init(self, parallel: Any) -> WindowNoise:
+    square_sum, micro_gradients = parallel.noise_terms_zero()
+    return WindowNoise(square_sum, micro_gradients, init_smoothed())
+
+  def add(
+    self,
+    noise: Any,
+    grads: Any,
+    weight: Any,
+    accepted: jax.Array,
+    parallel: Any,
+  ) -> WindowNoise:
+    """The open window's sums with this micro-step's (if it is kept)."""
+    # A dropped micro-step weighs nothing (its gradient may be NaN).
+    kept_weight = jnp.where(accepted, jnp.asarray(weight, jnp.float32), 0.0)
+    square, count = parallel.noise_terms(grads, kept_weight)
+    return noise._replace(
+      square_sum=noise.square_sum + square,
+      micro_gradients=noise.micro_gradients + count,
+    )
+
+  def close(
+    self,
+    noise: WindowNoise,
+    mean_grads: Any,
+    total_weight: jax.Array,
+    parallel: Any,
+  ) -> WindowNoise:
+    """The averages with the closing window's estimates folded in."""
+    square_sum, micro_gradients, weight = parallel.reduce_noise(
+      noise.square_sum, noise.micro_gradients, total_weight
+    )
+    estimate = window_estimate(
+      square_sum, micro_gradients, weight, square_norm(mean_grads)
+    )
+    return noise._replace(smoothed=smooth(noise.smoothed, estimate, self.decay))
+
+  def reset(self, noise: WindowNoise, closes: jax.Array) -> WindowNoise:
+    """The sums emptied where the window closed."""
+    return noise._replace(
+      square_sum=jnp.where(
+        closes, jnp.zeros_like(noise.square_sum), noise.square_sum
+      ),
+      micro_gradients=jnp.where(closes, 0, noise.micro_gradients),
+    )

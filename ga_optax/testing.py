@@ -5,7 +5,8 @@ large batch would. :func:`compare_with_large_batch` trains twice from the same
 parameters, once on each large batch and once on its micro-batches through
 :func:`ga_optax.accumulate`, and reports how far apart the results are;
 :func:`assert_equivalent_to_large_batch` turns that into an assertion for a
-test suite.
+test suite. A leaf that only float rounding moves (an attention block's key
+bias) cannot be judged by any tolerance: ``exclude=`` leaves it out, by path.
 
 On several devices it is also only worth having if it does not move more
 data than the large batch would. The HLO audits read a compiled step's text
@@ -72,6 +73,7 @@ __all__ = [
 ]
 
 LossFn = Callable[[optax.Params, Any], jax.Array]
+PathFilter = Callable[[str], bool]
 
 
 class EquivalenceResult(NamedTuple):
@@ -84,14 +86,19 @@ class EquivalenceResult(NamedTuple):
       :func:`max_relative_difference`).
     large_batch_params: parameters after one optimizer step per large batch.
     accumulated_params: parameters after accumulating the same batches.
+    excluded: the paths of the leaves ``exclude`` left out of
+      ``max_relative_difference``, in tree order; empty by default.
   """
 
   max_relative_difference: float
   large_batch_params: optax.Params
   accumulated_params: optax.Params
+  excluded: tuple[str, ...] = ()
 
 
-def max_relative_difference(actual: Any, expected: Any) -> float:
+def max_relative_difference(
+  actual: Any, expected: Any, *, exclude: PathFilter | None = None
+) -> float:
   """The largest per-leaf relative difference between two pytrees.
 
   Each leaf contributes ``max|actual - expected| / max|expected|`` (with the
@@ -103,16 +110,26 @@ def max_relative_difference(actual: Any, expected: Any) -> float:
   leaf's difference (and so the result) ``inf``: a NaN in trained parameters
   is never within a tolerance.
 
+  No tolerance can judge a leaf that only float rounding moves, such as an
+  attention block's key bias under Adam (see
+  :func:`compare_with_large_batch`): ``exclude`` leaves it out.
+
   Args:
     actual: a pytree of arrays.
     expected: a pytree of arrays with the same structure and shapes.
+    exclude: ``exclude(path) -> bool``, true for the leaves to leave out of
+      the difference; ``path`` is the leaf's :func:`jax.tree_util.keystr`.
+      An excluded leaf still counts as ``inf`` when its non-finite values
+      differ. By default every leaf is compared.
 
   Returns:
     A Python float; 0.0 for identical trees, ``inf`` when the trees' non-finite
     values differ.
 
   Raises:
-    ValueError: the trees differ in structure, or a leaf in shape.
+    ValueError: the trees differ in structure, or a leaf in shape; or
+      ``exclude`` matches no leaf, or every leaf.
+    TypeError: ``exclude`` is not callable.
 
   Example:
     >>> import jax.numpy as jnp
@@ -126,14 +143,60 @@ def max_relative_difference(actual: Any, expected: Any) -> float:
     ...     {"w": jnp.array([jnp.nan, 1.0])}, {"w": jnp.array([1.0, 1.0])}
     ... )
     inf
+    >>> max_relative_difference(
+    ...     {"b": jnp.array([1e-9]), "w": jnp.array([1.0])},
+    ...     {"b": jnp.array([-1e-9]), "w": jnp.array([1.0])},
+    ...     exclude=lambda path: path == "['b']",
+    ... )
+    0.0
   """
+  leaves = _paired_leaves(actual, expected)
+  excluded = _excluded_paths([path for path, _, _ in leaves], exclude)
   return max(
-    (
-      _relative_difference(actual_values, expected_values)
-      for _, actual_values, expected_values in _paired_leaves(actual, expected)
-    ),
+    (_leaf_difference(leaf, excluded) for leaf in leaves),
     default=0.0,
   )
+
+
+def _excluded_paths(
+  paths: Sequence[str], exclude: PathFilter | None
+) -> tuple[str, ...]:
+  """The paths ``exclude`` picks, checked to pick some but not all."""
+  if exclude is None:
+    return ()
+  if not callable(exclude):
+    raise TypeError(
+      "exclude must be a function of a leaf's path (a string such as"
+      " \"['attn']['key']['bias'].value\") that returns True for the leaves"
+      " to leave out, for example lambda path: path.endswith(\"['key']"
+      f"['bias'].value\"), got {exclude!r} of type {type(exclude).__name__}."
+    )
+  excluded = tuple(path for path in paths if exclude(path))
+  # A filter that matches nothing is stale (a renamed layer); one that
+  # matches everything leaves nothing to check. Both would pass silently.
+  if not excluded:
+    raise ValueError(
+      f"exclude matched no leaf; the leaves' paths are {list(paths)}."
+    )
+  if len(excluded) == len(paths):
+    raise ValueError(
+      "exclude matched every leaf, which leaves nothing to compare; it"
+      " should pick only leaves that float rounding alone moves, got"
+      f" {list(excluded)}."
+    )
+  return excluded
+
+
+def _leaf_difference(
+  leaf: tuple[str, np.ndarray, np.ndarray], excluded: Sequence[str]
+) -> float:
+  path, actual, expected = leaf
+  difference = _relative_difference(actual, expected)
+  # An excluded leaf's size is not judged, but a NaN or infinity that only
+  # one run holds is never float noise.
+  if path in excluded and np.isfinite(difference):
+    return 0.0
+  return difference
 
 
 def _paired_leaves(
@@ -256,6 +319,7 @@ def compare_with_large_batch(
   weight_fn: Callable[[Any], Any] | None = None,
   reduction: str = "mean",
   use_jit: bool = True,
+  exclude: PathFilter | None = None,
 ) -> EquivalenceResult:
   """Trains with and without accumulation and measures the difference.
 
@@ -263,6 +327,17 @@ def compare_with_large_batch(
   ``jax.grad(loss_fn)(params, batch)``; the accumulated run splits the same
   batch into micro-batches and feeds them, one ``update`` call each, to
   ``ga_optax.accumulate(optimizer, len(micro-batches))``.
+
+  The relative difference cannot judge a leaf whose gradient is structurally
+  zero, so that only float rounding noise reaches it. An attention block's
+  key bias is the common case, in every transformer: softmax ignores a
+  shift shared by every key. Adam-like optimizers (Adam, AdamW, RMSProp,
+  Lion...) divide that noise by its own magnitude and take full-size steps
+  of random sign in both runs; with any optimizer, a leaf that starts at
+  zero is compared with values that are themselves noise. No tolerance,
+  relative to the leaf or to how far training moved it, tells such a leaf
+  apart from a defect. Leave it out with ``exclude``; every other leaf is
+  still held to the tolerance, and the result lists what was left out.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, the mean (or, with
@@ -278,15 +353,23 @@ def compare_with_large_batch(
       ``"sum"``, which is exact for mean and sum losses respectively.
     reduction: the ``reduction`` of :func:`ga_optax.accumulate`.
     use_jit: run both training loops under ``jax.jit``.
+    exclude: ``exclude(path) -> bool``, true for the parameter leaves to
+      leave out of ``max_relative_difference``. ``path`` is the leaf's
+      :func:`jax.tree_util.keystr`, as failure messages print it (for a
+      Flax NNX state, ``"['attn']['key']['bias'].value"``); for example
+      ``lambda path: "['key']['bias']" in path`` picks the key bias of
+      every attention layer. An excluded leaf still fails when only one run
+      holds a NaN or an infinity there. By default every leaf is compared.
 
   Returns:
     An :class:`EquivalenceResult`.
 
   Raises:
     TypeError: ``microbatch_sizes`` is neither an int nor a sequence of ints
-      (a bool is neither).
+      (a bool is neither), or ``exclude`` is not callable.
     ValueError: ``batches`` is empty or its batches differ in size, or
-      ``microbatch_sizes`` does not split the batch size.
+      ``microbatch_sizes`` does not split the batch size, or ``exclude``
+      matches no parameter leaf, or every one.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -310,6 +393,14 @@ def compare_with_large_batch(
         f" {_leading_size(batch)} and {batch_size}."
       )
   bounds = _microbatch_bounds(batch_size, microbatch_sizes)
+  # Checked before training, so that a stale filter fails at once.
+  excluded = _excluded_paths(
+    [
+      jax.tree_util.keystr(path)
+      for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ],
+    exclude,
+  )
   if weight_fn is None:
     weight_fn = _leading_size if reduction == "mean" else (lambda _: 1)
   maybe_jit = jax.jit if use_jit else (lambda fn: fn)
@@ -344,10 +435,11 @@ def compare_with_large_batch(
 
   return EquivalenceResult(
     max_relative_difference=max_relative_difference(
-      accumulated_params, large_batch_params
+      accumulated_params, large_batch_params, exclude=exclude
     ),
     large_batch_params=large_batch_params,
     accumulated_params=accumulated_params,
+    excluded=excluded,
   )
 
 
@@ -362,10 +454,17 @@ def assert_equivalent_to_large_batch(
   weight_fn: Callable[[Any], Any] | None = None,
   reduction: str = "mean",
   use_jit: bool = True,
+  exclude: PathFilter | None = None,
 ) -> EquivalenceResult:
   """Asserts that accumulation reproduces large-batch training within ``rtol``.
 
   Runs :func:`compare_with_large_batch` with the same arguments.
+
+  By default every parameter leaf is held to ``rtol``, and a leaf that only
+  float rounding moves fails: an attention block's key bias under Adam,
+  AdamW, RMSProp or Lion, or any leaf with a structurally zero gradient that
+  starts at zero (see :func:`compare_with_large_batch`). Pass ``exclude``
+  to leave such leaves out, and only those.
 
   Args:
     loss_fn: see :func:`compare_with_large_batch`.
@@ -377,6 +476,7 @@ def assert_equivalent_to_large_batch(
     weight_fn: see :func:`compare_with_large_batch`.
     reduction: see :func:`compare_with_large_batch`.
     use_jit: see :func:`compare_with_large_batch`.
+    exclude: see :func:`compare_with_large_batch`.
 
   Returns:
     The :class:`EquivalenceResult`, for further checks.
@@ -384,7 +484,10 @@ def assert_equivalent_to_large_batch(
   Raises:
     AssertionError: the runs differ by more than ``rtol``, or their
       parameters differ in where they hold NaN or infinite values; the
-      message names the parameter leaf that differs most.
+      message names the parameter leaf that differs most (of those not
+      excluded) and how many leaves were excluded.
+    TypeError: see :func:`compare_with_large_batch`.
+    ValueError: see :func:`compare_with_large_batch`.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -404,6 +507,7 @@ def assert_equivalent_to_large_batch(
     weight_fn=weight_fn,
     reduction=reduction,
     use_jit=use_jit,
+    exclude=exclude,
   )
   if not result.max_relative_difference <= rtol:
     raise AssertionError(_describe_difference(result, rtol))
@@ -411,15 +515,19 @@ def assert_equivalent_to_large_batch(
 
 
 def _describe_difference(result: EquivalenceResult, rtol: float) -> str:
+  leaves = _paired_leaves(result.accumulated_params, result.large_batch_params)
   path, accumulated, large_batch = max(
-    _paired_leaves(result.accumulated_params, result.large_batch_params),
-    key=lambda leaf: _relative_difference(leaf[1], leaf[2]),
+    leaves, key=lambda leaf: _leaf_difference(leaf, result.excluded)
   )
   difference = _relative_difference(accumulated, large_batch)
   message = (
     "accumulated training differs from large-batch training: max relative"
     f" difference {difference:.3g} > rtol {rtol:.3g} at params leaf {path}"
   )
+  if result.excluded:
+    message += (
+      f" (exclude left out {len(result.excluded)} of {len(leaves)} leaves)"
+    )
   if np.isfinite(difference):
     return message + "."
   return (

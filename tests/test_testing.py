@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from ga_optax import testing
 
@@ -216,4 +217,128 @@ def test_batches_with_unequal_leading_sizes():
   with pytest.raises(ValueError, match="share one leading"):
     testing.compare_with_large_batch(
       loss_fn, optax.sgd(0.1), PARAMS, [batch], 2
+    )
+
+
+class AttentionBlock(nnx.Module):
+  """Self-attention and a linear read-out: a transformer block's core."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.attn = nnx.MultiHeadAttention(
+      num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=rngs
+    )
+    self.out = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.attn(x))[..., 0].mean(axis=-1)
+
+
+ATTENTION_GRAPHDEF, ATTENTION_PARAMS = nnx.split(AttentionBlock(nnx.Rngs(0)))
+ATTENTION_BATCHES = [
+  {
+    "x": jax.random.normal(key, (8, 5, 8)),
+    "y": jax.random.normal(jax.random.fold_in(key, 1), (8,)),
+  }
+  for key in jax.random.split(jax.random.key(1), 3)
+]
+KEY_BIAS = "['attn']['key']['bias'].value"
+
+
+def attention_loss(params, batch):
+  model = nnx.merge(ATTENTION_GRAPHDEF, params)
+  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def is_key_bias(path: str) -> bool:
+  return path.endswith("['key']['bias'].value")
+
+
+def test_attention_key_bias_cannot_be_judged_by_the_default():
+  # The key bias's gradient is float noise (softmax ignores a shift shared
+  # by every key), and AdamW turns it into full-size steps in both runs.
+  grads = jax.grad(attention_loss)(ATTENTION_PARAMS, ATTENTION_BATCHES[0])
+  assert float(jnp.max(jnp.abs(grads["attn"]["key"]["bias"][...]))) < 1e-6
+  assert float(jnp.max(jnp.abs(grads["attn"]["key"]["kernel"][...]))) > 1e-2
+  with pytest.raises(
+    AssertionError,
+    match=r"at params leaf \['attn'\]\['key'\]\['bias'\]\.value\.$",
+  ):
+    testing.assert_equivalent_to_large_batch(
+      attention_loss, optax.adamw(1e-2), ATTENTION_PARAMS, ATTENTION_BATCHES, 4
+    )
+
+
+def test_exclude_leaves_out_only_the_key_bias():
+  result = testing.assert_equivalent_to_large_batch(
+    attention_loss,
+    optax.adamw(1e-2),
+    ATTENTION_PARAMS,
+    ATTENTION_BATCHES,
+    [2, 2, 4],
+    exclude=is_key_bias,
+  )
+  assert result.excluded == (KEY_BIAS,)
+  for params in (result.accumulated_params, result.large_batch_params):
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+  # The key bias does differ, far beyond rounding; every other leaf agrees.
+  assert (
+    testing.max_relative_difference(
+      result.accumulated_params, result.large_batch_params
+    )
+    > 1e-2
+  )
+  assert result.max_relative_difference < 1e-5
+
+
+def test_exclude_does_not_hide_a_wrong_weighting():
+  # Micro-batches of 2, 2 and 4 samples weighted equally are not the large
+  # batch's mean: the leaves still judged say so.
+  with pytest.raises(
+    AssertionError,
+    match=r"at params leaf \['(attn|out)'\]\S* \(exclude left out 1 of"
+    r" 10 leaves\)\.$",
+  ) as failure:
+    testing.assert_equivalent_to_large_batch(
+      attention_loss,
+      optax.adamw(1e-2),
+      ATTENTION_PARAMS,
+      ATTENTION_BATCHES,
+      [2, 2, 4],
+      weight_fn=lambda microbatch: 1,
+      exclude=is_key_bias,
+    )
+  assert KEY_BIAS not in str(failure.value)
+
+
+def test_an_excluded_leaf_still_fails_on_a_nan():
+  expected = {"b": np.array([1e-9]), "w": np.ones(2)}
+  actual = {"b": np.array([NAN]), "w": np.ones(2)}
+  exclude = lambda path: path == "['b']"  # noqa: E731
+  assert testing.max_relative_difference(
+    actual, expected, exclude=exclude
+  ) == float("inf")
+  assert (
+    testing.max_relative_difference(
+      {**actual, "b": np.array([-1e-9])}, expected, exclude=exclude
+    )
+    == 0.0
+  )
+
+
+@pytest.mark.parametrize(
+  ("exclude", "error", "message"),
+  [
+    (lambda path: "bias" in path, ValueError, "matched no leaf"),
+    (lambda path: True, ValueError, "matched every leaf"),
+    (["['b']"], TypeError, "exclude must be a function of a leaf's path"),
+  ],
+  ids=["matches nothing", "matches everything", "a list of paths"],
+)
+def test_bad_exclude(exclude, error, message):
+  with pytest.raises(error, match=message):
+    testing.max_relative_difference(PARAMS, PARAMS, exclude=exclude)
+  # Before any training.
+  with pytest.raises(error, match=message):
+    testing.compare_with_large_batch(
+      loss_fn, optax.sgd(0.1), PARAMS, BATCHES, 3, exclude=exclude
     )

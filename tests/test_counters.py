@@ -1,9 +1,11 @@
-"""The int32 counters saturate instead of wrapping past 2**31 - 1.
+"""What the counters count, and that they saturate instead of wrapping.
 
-``micro_step``, ``update_step`` and ``num_skipped`` are int32. A state that
-has reached the maximum (built with ``state._replace``) must keep counting
-windows correctly, never go negative, and keep ``every_k`` schedules on their
-last piece.
+``micro_step`` counts the open window's micro-steps, ``update_step`` the
+updates the inner optimizer applied (not calls), ``num_skipped`` the
+micro-steps dropped as non-finite. They are int32: a state that has reached
+the maximum (built with ``state._replace``) must keep counting windows
+correctly, never go negative, and keep ``every_k`` schedules on their last
+piece.
 """
 
 from __future__ import annotations
@@ -37,6 +39,47 @@ def _feed(tx, state, params, num_calls: int, grads=None):
     _, state = update(grads, state, params)
     emitted.append(bool(ga_optax.emitted(state)))
   return state, emitted
+
+
+def test_each_counter_counts_what_it_names(params):
+  # k = 3; call 2 is non-finite (skipped); calls 3 to 5 weigh nothing, so
+  # their window closes without a step; then a window of weight, flushed
+  # after two of its micro-steps.
+  tx = ga_optax.accumulate(optax.adam(0.1), 3, skip_nonfinite=True)
+  update = jax.jit(tx.update)
+  finite, nonfinite = {"w": jnp.ones(3)}, {"w": jnp.full(3, jnp.nan)}
+  calls = [
+    (finite, 1.0, False),
+    (finite, 1.0, False),
+    (nonfinite, 1.0, False),
+    (finite, 1.0, False),
+    (finite, 0.0, False),
+    (finite, 0.0, False),
+    (finite, 0.0, False),
+    (finite, 2.0, False),
+    (finite, 2.0, True),
+  ]
+  state = tx.init(params)
+  counts = []
+  for grads, weight, flush in calls:
+    _, state = update(grads, state, params, weight=weight, flush=flush)
+    counts.append(
+      (int(state.micro_step), int(state.update_step), int(state.num_skipped))
+    )
+  assert counts == [
+    (1, 0, 0),
+    (2, 0, 0),
+    (2, 0, 1),
+    (0, 1, 1),
+    (1, 1, 1),
+    (2, 1, 1),
+    (0, 1, 1),
+    (1, 1, 1),
+    (0, 2, 1),
+  ]
+  # The inner optimizer agrees: it stepped as often as update_step says.
+  assert int(state.inner_state[0].count) == int(state.update_step) == 2
+  assert int(ga_optax.applied_updates(state)) == 2
 
 
 @pytest.mark.parametrize(

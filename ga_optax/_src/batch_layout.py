@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from ga_optax._src import sharding, validation
+from ga_optax._src import validation
+from ga_optax._src.parallel import axes as axes_lib
 
-Axes = sharding.Axes
+Axes = axes_lib.Axes
 
 
 class _Axis:
@@ -258,9 +259,9 @@ def sharded_axes(layout: BatchLayout, split: Sequence[Any]) -> Axes:
     if axis is not None
   ]
   for path, leaf, axis in zip(paths, split, layout.split_axes, strict=True):
-    spec = sharding.spec_of(leaf)
+    spec = axes_lib.spec_of(leaf)
     entry = spec[axis] if axis < len(spec.partitions) else None
-    axes = sharding.spec_entry_axes(entry)
+    axes = axes_lib.spec_entry_axes(entry)
     if axes:
       found.setdefault(axes, path)
   if len(found) > 1:
@@ -274,7 +275,7 @@ def sharded_axes(layout: BatchLayout, split: Sequence[Any]) -> Axes:
 
 def batch_spec(leaf: Any, axis: int, axes: Axes) -> PartitionSpec:
   """``leaf``'s spec with ``axes`` on dimension ``axis`` and nowhere else."""
-  entries = list(sharding.without_axes(sharding.spec_of(leaf), axes).partitions)
+  entries = list(axes_lib.without_axes(axes_lib.spec_of(leaf), axes).partitions)
   entries += [None] * (np.ndim(leaf) - len(entries))
   entries[axis] = axes
   return PartitionSpec(*entries)
@@ -346,12 +347,12 @@ def map_over_batch_axes(
   Returns:
     What ``per_device`` returns, sharded as ``out_specs`` says.
   """
-  types = sharding.mesh_axis_types()
+  types = axes_lib.mesh_axis_types()
   if any(types[axis] == AxisType.Explicit for axis in axes):
     replicated = jax.tree.map(
       lambda leaf: (
-        jax.reshard(leaf, sharding.without_axes(sharding.spec_of(leaf), axes))
-        if set(axes) & _sharded_axes(sharding.spec_of(leaf))
+        jax.reshard(leaf, axes_lib.without_axes(axes_lib.spec_of(leaf), axes))
+        if set(axes) & axes_lib.sharded_axes(axes_lib.spec_of(leaf))
         else leaf
       ),
       replicated,
@@ -361,7 +362,7 @@ def map_over_batch_axes(
       for leaf, axis in zip(split, split_axes, strict=True)
     ]
   manual_specs = jax.tree.map(
-    lambda spec: sharding.without_axes(spec, set(types) - set(axes)),
+    lambda spec: axes_lib.without_axes(spec, set(types) - set(axes)),
     out_specs,
     is_leaf=lambda node: isinstance(node, PartitionSpec),
   )
@@ -394,21 +395,13 @@ def map_over_batch_axes(
 def _onto_batch_axes(leaf: Any, axis: int, axes: Axes) -> Any:
   """``leaf`` resharded so that ``axes`` split its batch axis, if needed."""
   spec = batch_spec(leaf, axis, axes)
-  current = sharding.spec_of(leaf)
+  current = axes_lib.spec_of(leaf)
   padded = [
     *current.partitions,
     *[None] * (np.ndim(leaf) - len(current.partitions)),
   ]
-  if [sharding.spec_entry_axes(entry) for entry in padded] == [
-    sharding.spec_entry_axes(entry) for entry in spec
+  if [axes_lib.spec_entry_axes(entry) for entry in padded] == [
+    axes_lib.spec_entry_axes(entry) for entry in spec
   ]:
     return leaf
   return jax.reshard(leaf, spec)
-
-
-def _sharded_axes(spec: PartitionSpec) -> set[str]:
-  return {
-    axis
-    for entry in spec.partitions
-    for axis in sharding.spec_entry_axes(entry)
-  }

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
-from ga_optax._src import batch_layout, dtypes, eager, sharding, validation
+from ga_optax._src import batch_layout, dtypes, eager, validation
 from ga_optax._src.batch_layout import BatchLayout
+from ga_optax._src.parallel import axes as axes_lib
 
 WeightFn = Callable[[Any], Any]
 
@@ -243,7 +244,7 @@ class Microbatching(NamedTuple):
     return new_sums, aux
 
   def sums(
-    self, inputs: Inputs, varying_axes: sharding.Axes = ()
+    self, inputs: Inputs, varying_axes: axes_lib.Axes = ()
   ) -> tuple[Sums, Any]:
     """The weighted sums over the micro-batches of ``inputs``' batch.
 
@@ -255,7 +256,7 @@ class Microbatching(NamedTuple):
     microbatches = batch_layout.split_microbatches(
       inputs.split, layout.split_axes, self.num_microbatches
     )
-    initial = sharding.cast_to_varying(self.zeros(trainable.diff), varying_axes)
+    initial = axes_lib.cast_to_varying(self.zeros(trainable.diff), varying_axes)
 
     def scan_body(sums: Sums, xs: tuple[jax.Array, Any]) -> tuple[Sums, Any]:
       index, split = xs
@@ -289,7 +290,7 @@ class Microbatching(NamedTuple):
 
 def per_device_sums(
   microbatching: Microbatching,
-  axes: sharding.Axes,
+  axes: axes_lib.Axes,
   inputs: Inputs,
   *,
   unreduced: bool,
@@ -344,7 +345,7 @@ def per_device_sums(
   grad_specs = jax.tree.map(
     lambda param: PartitionSpec(
       *((axes,) if unreduced else ()),
-      *sharding.without_axes(sharding.spec_of(param), axes).partitions,
+      *axes_lib.without_axes(axes_lib.spec_of(param), axes).partitions,
     ),
     diff,
   )
@@ -357,16 +358,16 @@ def per_device_sums(
     out_specs=(PartitionSpec(), grad_specs, PartitionSpec(axes)),
   )
   if unreduced:
-    grads = sharding.sum_to_unreduced(grads, diff, axes)
+    grads = axes_lib.sum_to_unreduced(grads, diff, axes)
   elif _explicit(axes):
     # A parameter sharded over a batch axis (FSDP) was gathered for the
     # scan; its gradient goes back to the parameter's own sharding.
-    grads = sharding.reshard_tree(grads, jax.tree.map(sharding.spec_of, diff))
+    grads = axes_lib.reshard_tree(grads, jax.tree.map(axes_lib.spec_of, diff))
   return value, grads, aux
 
 
-def _explicit(axes: sharding.Axes) -> bool:
-  types = sharding.mesh_axis_types()
+def _explicit(axes: axes_lib.Axes) -> bool:
+  types = axes_lib.mesh_axis_types()
   return all(types[axis] == AxisType.Explicit for axis in axes)
 
 
@@ -429,7 +430,7 @@ def _inputs(
 
 def _data_parallel_axes(
   inputs: Inputs, axis_name: Any
-) -> tuple[sharding.Axes, sharding.Axes]:
+) -> tuple[axes_lib.Axes, axes_lib.Axes]:
   """``(mesh_axes, manual_axes)``: where the batch is split, and how.
 
   ``mesh_axes``: the axes of a batch sharded under plain ``jit``, from
@@ -439,7 +440,7 @@ def _data_parallel_axes(
   """
   sharded_over = batch_layout.sharded_axes(inputs.layout, inputs.split)
   if axis_name is None:
-    types = sharding.mesh_axis_types()
+    types = axes_lib.mesh_axis_types()
     missing = [axis for axis in sharded_over if axis not in types]
     if missing:
       raise ValueError(
@@ -449,8 +450,8 @@ def _data_parallel_axes(
         " device can work on its own entries."
       )
     return sharded_over, ()
-  named = sharding.as_axes(axis_name, "axis_name")
-  in_mesh = sharding.mesh_axes(named)
+  named = axes_lib.as_axes(axis_name, "axis_name")
+  in_mesh = axes_lib.mesh_axes(named)
   if not in_mesh:
     for axis in named:
       try:
@@ -629,7 +630,7 @@ def microbatched_value_and_grad(
     in_axes=in_axes,
   )
   if axis_name is not None:
-    sharding.as_axes(axis_name, "axis_name")
+    axes_lib.as_axes(axis_name, "axis_name")
 
   @functools.wraps(fun)
   def value_and_grad_fn(
@@ -649,7 +650,7 @@ def microbatched_value_and_grad(
 
 
 def _local_or_manual(
-  microbatching: Microbatching, manual_axes: sharding.Axes, inputs: Inputs
+  microbatching: Microbatching, manual_axes: axes_lib.Axes, inputs: Inputs
 ) -> tuple[jax.Array, Any, Any]:
   """One device's batch, or the caller's ``shard_map`` over ``manual_axes``."""
   batch_layout.check_divisible(
@@ -665,10 +666,10 @@ def _local_or_manual(
   # device-local gradients: no collective in the backward pass of each
   # micro-batch, one sum after the scan. (pmap and vmap axes do not track
   # variance.)
-  varying_axes = sharding.shard_map_axes(manual_axes)
+  varying_axes = axes_lib.shard_map_axes(manual_axes)
   trainable = inputs.trainable
   trainable = trainable._replace(
-    diff=sharding.cast_to_varying(trainable.diff, varying_axes)
+    diff=axes_lib.cast_to_varying(trainable.diff, varying_axes)
   )
   inputs = inputs._replace(trainable=trainable)
   if manual_axes and inputs.rng is not None:
@@ -769,7 +770,7 @@ def unreduced_value_and_grad(
     in_axes=in_axes,
   )
   if unreduced_axes is not None:
-    sharding.as_axes(unreduced_axes, "unreduced_axes")
+    axes_lib.as_axes(unreduced_axes, "unreduced_axes")
 
   @functools.wraps(fun)
   def value_and_grad_fn(
@@ -785,13 +786,13 @@ def unreduced_value_and_grad(
   return value_and_grad_fn
 
 
-def _unreduced_batch_axes(inputs: Inputs, unreduced_axes: Any) -> sharding.Axes:
+def _unreduced_batch_axes(inputs: Inputs, unreduced_axes: Any) -> axes_lib.Axes:
   """The Explicit mesh axes to leave the gradients unreduced over."""
   sharded_over = batch_layout.sharded_axes(inputs.layout, inputs.split)
   axes = (
     sharded_over
     if unreduced_axes is None
-    else sharding.as_axes(unreduced_axes, "unreduced_axes")
+    else axes_lib.as_axes(unreduced_axes, "unreduced_axes")
   )
   if not axes:
     raise ValueError(
@@ -800,7 +801,7 @@ def _unreduced_batch_axes(inputs: Inputs, unreduced_axes: Any) -> sharding.Axes:
       " under a mesh with Explicit axes (jax.make_mesh + jax.set_mesh), or"
       " name the axes."
     )
-  types = sharding.mesh_axis_types()
+  types = axes_lib.mesh_axis_types()
   not_explicit = [axis for axis in axes if types.get(axis) != AxisType.Explicit]
   if not_explicit:
     raise ValueError(

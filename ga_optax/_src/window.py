@@ -104,6 +104,7 @@ class Window:
 
   def init(self, params: optax.Params) -> AccumulateState:
     """The state of an empty window, the accumulator shaped like ``params``."""
+    validation.check_array_leaves(params, "params")
     self.parallel.check_init()
     accumulator = jax.tree.map(
       lambda param: jnp.zeros_like(

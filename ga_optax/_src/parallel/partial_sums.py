@@ -227,7 +227,9 @@ def _with_window_sums(state: AccumulateState, sums: Any) -> AccumulateState:
   state = state._replace(weight_sum=sums[0])
   if state.noise_scale is None:
     return state
-  noise = state.noise_scale._replace(square_sum=sums[1], micro_gradients=sums[2])
+  noise = state.noise_scale._replace(
+    square_sum=sums[1], micro_gradients=sums[2]
+  )
   return state._replace(noise_scale=noise)
 
 

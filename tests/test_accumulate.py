@@ -122,6 +122,20 @@ class AccumulateTest(parameterized.TestCase):
       chex.assert_trees_all_equal(updates, inner_updates)
     chex.assert_trees_all_equal(state.inner_state, inner_state)
 
+  def test_k_equal_one_with_any_weight_is_the_bare_optimizer(self):
+    # A window of one micro-step is its gradient, whatever it weighs: plain
+    # SGD shows a weight left in the mean (Adam would all but hide it).
+    inner = optax.sgd(0.1)
+    tx = ga_optax.accumulate(inner, 1)
+    update = jax.jit(tx.update)
+    state = tx.init(PARAMS)
+    for step, weight in enumerate([3.0, 0.5, 7.0]):
+      updates, state = update(gradient(step), state, PARAMS, weight=weight)
+      expected, _ = inner.update(gradient(step), inner.init(PARAMS), PARAMS)
+      chex.assert_tree_all_finite(updates)
+      chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+    self.assertEqual(int(state.update_step), 3)
+
   def test_jit_with_donated_state(self):
     tx = ga_optax.accumulate(optax.adam(1e-2), 2)
     step = jax.jit(tx.update, donate_argnums=1)

@@ -12,7 +12,12 @@ from ga_optax._src.microbatch import (
   microbatched_value_and_grad,
   unreduced_value_and_grad,
 )
-from ga_optax._src.noise_scale import NoiseScale
+from ga_optax._src.noise_scale import (
+  NoiseScale,
+  NoiseScaleAverages,
+  NoiseScaleEstimate,
+  smooth_noise_scale,
+)
 from ga_optax._src.parallel.partial_sums import (
   consolidate,
   split_total,
@@ -45,6 +50,8 @@ __all__ = [
   "FusedAccumulation",
   "MicrobatchPlan",
   "NoiseScale",
+  "NoiseScaleAverages",
+  "NoiseScaleEstimate",
   "accumulate",
   "accumulate_and_apply",
   "applied_updates",
@@ -59,6 +66,7 @@ __all__ = [
   "noise_scale",
   "num_skipped",
   "plan_microbatch",
+  "smooth_noise_scale",
   "split_total",
   "stack_partial_sums",
   "unreduced_value_and_grad",

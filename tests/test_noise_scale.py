@@ -355,3 +355,116 @@ def test_least_squares_on_8_devices_lands_on_the_closed_form():
     data = jax.device_put(data, P(None, None, "data"))
     state = step(tx.init(params), data)
   assert_near_the_truth(state, delta)
+
+
+def regression_batch(seed: int, rows: int):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(rows, DIM)).astype(np.float32)
+  mask = (rng.random(rows) < 0.6).astype(np.float32)
+  mask[0] = 1.0
+  y = rng.normal(size=rows).astype(np.float32)
+  return {"x": x, "y": y, "mask": mask}
+
+
+def masked_least_squares(params, batch):
+  errors = 0.5 * (batch["x"] @ params - batch["y"]) ** 2
+  return jnp.sum(errors * batch["mask"]) / jnp.maximum(batch["mask"].sum(), 1.0)
+
+
+def in_step_reference(params, pieces):
+  """Each piece one micro-gradient, weighted by its real rows."""
+  grad = jax.grad(masked_least_squares)
+  window = [
+    (np.asarray(grad(params, piece)), float(piece["mask"].sum()))
+    for piece in pieces
+  ]
+  grad_sq, trace, _ = numpy_noise_scale([window], 0.0)
+  return grad_sq, trace
+
+
+def strided(batch, parts):
+  return [
+    {name: array[i::parts] for name, array in batch.items()}
+    for i in range(parts)
+  ]
+
+
+def count_rows(batch):
+  return batch["mask"].sum()
+
+
+def test_in_step_estimates_match_numpy_and_smooth_across_steps():
+  params = jnp.linspace(-1.0, 1.0, DIM)
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    masked_least_squares, 4, weight_fn=count_rows, noise_scale=True
+  )
+  averages = None
+  windows = []
+  for seed in range(3):
+    batch = regression_batch(seed, 32)
+    _, grads, estimate = jax.jit(value_and_grad)(params, batch)
+    np.testing.assert_allclose(
+      grads, jax.grad(masked_least_squares)(params, batch), rtol=1e-5
+    )
+    grad_sq, trace = in_step_reference(params, strided(batch, 4))
+    np.testing.assert_allclose(
+      [float(estimate.grad_sq), float(estimate.trace_sigma)],
+      [grad_sq, trace],
+      rtol=2e-5,
+    )
+    averages = ga_optax.smooth_noise_scale(averages, estimate, DECAY)
+    windows.append(
+      [
+        (
+          np.asarray(jax.grad(masked_least_squares)(params, piece)),
+          float(piece["mask"].sum()),
+        )
+        for piece in strided(batch, 4)
+      ]
+    )
+  grad_sq, trace, measured = numpy_noise_scale(windows, DECAY)
+  assert_estimate(averages, grad_sq, trace, measured)
+
+
+@needs_8_devices
+@pytest.mark.parametrize("layout", ["plain_jit", "shard_map"])
+def test_in_step_estimates_count_each_device_micro_batch(layout):
+  params = jnp.linspace(-1.0, 1.0, DIM)
+  batch = regression_batch(5, 64)
+  k = 2
+  with jax.set_mesh(mesh()):
+    if layout == "plain_jit":
+      value_and_grad = ga_optax.microbatched_value_and_grad(
+        masked_least_squares, k, weight_fn=count_rows, noise_scale=True
+      )
+      step = jax.jit(value_and_grad)
+    else:
+      value_and_grad = ga_optax.microbatched_value_and_grad(
+        masked_least_squares,
+        k,
+        weight_fn=count_rows,
+        noise_scale=True,
+        axis_name="data",
+      )
+      step = jax.jit(
+        jax.shard_map(
+          value_and_grad,
+          mesh=mesh(),
+          in_specs=(P(), P("data")),
+          out_specs=P(),
+          check_vma=False,
+        )
+      )
+    _, _, estimate = step(params, jax.device_put(batch, P("data")))
+  # Device d holds rows 8d .. 8d + 7; its micro-batch i, rows i::k of them.
+  pieces = [
+    {name: array[8 * d : 8 * (d + 1)][i::k] for name, array in batch.items()}
+    for d in range(DEVICES)
+    for i in range(k)
+  ]
+  grad_sq, trace = in_step_reference(params, pieces)
+  np.testing.assert_allclose(
+    [float(estimate.grad_sq), float(estimate.trace_sigma)],
+    [grad_sq, trace],
+    rtol=2e-5,
+  )

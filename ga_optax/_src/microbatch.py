@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
 from ga_optax._src import batch_layout, dtypes, eager, validation
+from ga_optax._src import noise_scale as noise_lib
 from ga_optax._src.batch_layout import BatchLayout
 from ga_optax._src.parallel import axes as axes_lib
 
@@ -124,11 +125,16 @@ class Sums(NamedTuple):
     grads: ``sum(w_i * grad_i)``, a tree like the differentiated params.
     value: ``sum(w_i * value_i)``.
     weight: ``sum(w_i)``; NaN once a negative weight was seen.
+    square: with ``noise_scale``, ``sum(w_i |grad_i|^2)``; else None.
+    micro_batches: with ``noise_scale``, how many micro-batches had weight
+      > 0; else None.
   """
 
   grads: Any
   value: jax.Array
   weight: jax.Array
+  square: Any = None
+  micro_batches: Any = None
 
 
 class Microbatching(NamedTuple):
@@ -142,6 +148,7 @@ class Microbatching(NamedTuple):
     accumulator_dtype: the floating dtype of the gradient sums.
     remat: each micro-batch's loss runs under ``jax.checkpoint``.
     checkpoint_policy: the ``jax.checkpoint`` policy with ``remat``.
+    noise_scale: also sum what the gradient noise scale needs.
   """
 
   fun: Callable[..., Any]
@@ -151,6 +158,7 @@ class Microbatching(NamedTuple):
   accumulator_dtype: jnp.dtype
   remat: bool
   checkpoint_policy: Callable[..., bool] | None
+  noise_scale: bool = False
 
   def zeros(self, diff: Any) -> Sums:
     """Empty sums for the differentiated params ``diff``."""
@@ -165,6 +173,8 @@ class Microbatching(NamedTuple):
       ),
       value=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
       weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
+      square=jnp.zeros((), jnp.float32) if self.noise_scale else None,
+      micro_batches=jnp.zeros((), jnp.int32) if self.noise_scale else None,
     )
 
   def weight_of(self, microbatch: Any) -> jax.Array:
@@ -241,6 +251,12 @@ class Microbatching(NamedTuple):
       value=add(sums.value, value),
       weight=sums.weight + weight,
     )
+    if self.noise_scale:
+      square = weight.astype(jnp.float32) * noise_lib.square_norm(grads)
+      new_sums = new_sums._replace(
+        square=sums.square + jnp.where(has_weight, square, 0.0),
+        micro_batches=sums.micro_batches + has_weight.astype(jnp.int32),
+      )
     return new_sums, aux
 
   def sums(
@@ -287,6 +303,21 @@ class Microbatching(NamedTuple):
     )
     return sums.value * scale, grads
 
+  def estimate(self, sums: Sums) -> noise_lib.NoiseScaleEstimate | None:
+    """The noise scale's estimates from sums over every micro-batch."""
+    if not self.noise_scale:
+      return None
+    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)
+    mean_square = (
+      noise_lib.square_norm(sums.grads) * scale.astype(jnp.float32) ** 2
+    )
+    return noise_lib.window_estimate(
+      sums.square,
+      sums.micro_batches,
+      sums.weight.astype(jnp.float32),
+      mean_square,
+    )
+
 
 def per_device_sums(
   microbatching: Microbatching,
@@ -294,7 +325,7 @@ def per_device_sums(
   inputs: Inputs,
   *,
   unreduced: bool,
-) -> tuple[jax.Array, Any, Any]:
+) -> tuple[jax.Array, Any, Any, Any]:
   """Micro-batching of a batch sharded over mesh ``axes``, under plain jit.
 
   Each device scans its own entries; the map over the devices does not
@@ -306,8 +337,9 @@ def per_device_sums(
   window.
 
   Returns:
-    ``(value, grads, aux)``; aux leaves are stacked per sub-batch, device
-    major: entry ``d * k + i`` is micro-batch ``i`` on device ``d``.
+    ``(value, grads, aux, estimate)``; aux leaves are stacked per
+    sub-batch, device major: entry ``d * k + i`` is micro-batch ``i`` on
+    device ``d``; ``estimate`` is the noise scale's (or None).
   """
   devices = batch_layout.device_count(axes)
   batch_layout.check_divisible(
@@ -327,10 +359,9 @@ def per_device_sums(
       )
     sums, aux = microbatching.sums(local)
     if not unreduced:
-      value, grads = microbatching.mean(
-        jax.lax.psum(sums, axes), local.trainable.diff
-      )
-      return value, grads, aux
+      sums = jax.lax.psum(sums, axes)
+      value, grads = microbatching.mean(sums, local.trainable.diff)
+      return value, grads, aux, microbatching.estimate(sums)
     value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
     value, grads = microbatching.mean(
       Sums(sums.grads, value_sum, weight_sum), local.trainable.diff
@@ -338,7 +369,7 @@ def per_device_sums(
     # One partial sum per device, stacked along a new leading axis: a
     # shard_map may not return unreduced values while other axes stay
     # outside it, so they are summed into unreduced ones below.
-    return value, jax.tree.map(lambda grad: grad[None], grads), aux
+    return value, jax.tree.map(lambda grad: grad[None], grads), aux, None
 
   # Gradients keep each parameter's spec over other mesh axes; stacked
   # partial sums get a leading axis over the batch axes.
@@ -349,13 +380,18 @@ def per_device_sums(
     ),
     diff,
   )
-  value, grads, aux = batch_layout.map_over_batch_axes(
+  value, grads, aux, estimate = batch_layout.map_over_batch_axes(
     per_device,
     axes,
     arrays,
     inputs.split,
     inputs.layout.split_axes,
-    out_specs=(PartitionSpec(), grad_specs, PartitionSpec(axes)),
+    out_specs=(
+      PartitionSpec(),
+      grad_specs,
+      PartitionSpec(axes),
+      PartitionSpec(),
+    ),
   )
   if unreduced:
     grads = axes_lib.sum_to_unreduced(grads, diff, axes)
@@ -363,7 +399,7 @@ def per_device_sums(
     # A parameter sharded over a batch axis (FSDP) was gathered for the
     # scan; its gradient goes back to the parameter's own sharding.
     grads = axes_lib.reshard_tree(grads, jax.tree.map(axes_lib.spec_of, diff))
-  return value, grads, aux
+  return value, grads, aux, estimate
 
 
 def _explicit(axes: axes_lib.Axes) -> bool:
@@ -381,6 +417,7 @@ def _check_options(
   checkpoint_policy: Any,
   remat: Any,
   in_axes: Any,
+  noise_scale: Any = False,
 ) -> Microbatching:
   """Checks the arguments; returns the :class:`Microbatching` they describe."""
   if not callable(fun):
@@ -397,6 +434,8 @@ def _check_options(
     raise TypeError(f"has_aux must be a bool, got {has_aux!r}.")
   if not isinstance(remat, bool):
     raise TypeError(f"remat must be a bool, got {remat!r}.")
+  if not isinstance(noise_scale, bool):
+    raise TypeError(f"noise_scale must be a bool, got {noise_scale!r}.")
   if checkpoint_policy is not None and not remat:
     raise ValueError(
       "checkpoint_policy only applies with remat=True; pass remat=True or"
@@ -411,6 +450,7 @@ def _check_options(
     accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
     remat=remat,
     checkpoint_policy=checkpoint_policy,
+    noise_scale=noise_scale,
   )
 
 
@@ -489,6 +529,7 @@ def microbatched_value_and_grad(
   accumulator_dtype: Any = jnp.float32,
   checkpoint_policy: Callable[..., bool] | None = None,
   remat: bool = False,
+  noise_scale: bool = False,
 ) -> Callable[..., Any]:
   """Value and gradient of ``fun`` accumulated over micro-batches in one scan.
 
@@ -574,10 +615,16 @@ def microbatched_value_and_grad(
       saves none.
     remat: wrap each micro-batch's ``fun`` in ``jax.checkpoint``, trading a
       second forward pass for less memory.
+    noise_scale: also return the batch's raw gradient noise scale
+      estimates (a :class:`ga_optax.NoiseScaleEstimate`), each micro-batch
+      (on each device) one micro-gradient of its weight; smooth them
+      across steps with :func:`ga_optax.smooth_noise_scale`. Costs one
+      squared norm per micro-batch and nothing without.
 
   Returns:
     ``g(params, batch, *args, rng=None, **kwargs)`` returning
-    ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``;
+    ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``, and
+    with ``noise_scale`` the estimate as a third element;
     ``grads`` has the tree of ``params`` (None at static leaves) and the
     dtypes of its leaves; ``value`` is a scalar in the precision of the
     sums (float32 unless ``accumulator_dtype`` is wider). Called outside
@@ -628,6 +675,7 @@ def microbatched_value_and_grad(
     checkpoint_policy=checkpoint_policy,
     remat=remat,
     in_axes=in_axes,
+    noise_scale=noise_scale,
   )
   if axis_name is not None:
     axes_lib.as_axes(axis_name, "axis_name")
@@ -639,19 +687,22 @@ def microbatched_value_and_grad(
     inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
     mesh_axes, manual_axes = _data_parallel_axes(inputs, axis_name)
     if mesh_axes:
-      value, grads, aux = per_device_sums(
+      value, grads, aux, estimate = per_device_sums(
         microbatching, mesh_axes, inputs, unreduced=False
       )
     else:
-      value, grads, aux = _local_or_manual(microbatching, manual_axes, inputs)
-    return ((value, aux), grads) if has_aux else (value, grads)
+      value, grads, aux, estimate = _local_or_manual(
+        microbatching, manual_axes, inputs
+      )
+    output = ((value, aux), grads) if has_aux else (value, grads)
+    return (*output, estimate) if noise_scale else output
 
   return eager.compiled_when_eager(value_and_grad_fn)
 
 
 def _local_or_manual(
   microbatching: Microbatching, manual_axes: axes_lib.Axes, inputs: Inputs
-) -> tuple[jax.Array, Any, Any]:
+) -> tuple[jax.Array, Any, Any, Any]:
   """One device's batch, or the caller's ``shard_map`` over ``manual_axes``."""
   batch_layout.check_divisible(
     inputs.layout,
@@ -680,7 +731,7 @@ def _local_or_manual(
   if manual_axes:
     sums = jax.lax.psum(sums, manual_axes)
   value, grads = microbatching.mean(sums, trainable.diff)
-  return value, grads, aux
+  return value, grads, aux, microbatching.estimate(sums)
 
 
 def unreduced_value_and_grad(
@@ -778,7 +829,7 @@ def unreduced_value_and_grad(
   ) -> Any:
     inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
     axes = _unreduced_batch_axes(inputs, unreduced_axes)
-    value, grads, aux = per_device_sums(
+    value, grads, aux, _ = per_device_sums(
       microbatching, axes, inputs, unreduced=True
     )
     return ((value, aux), grads) if has_aux else (value, grads)

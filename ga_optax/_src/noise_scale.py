@@ -49,14 +49,15 @@ class NoiseScale(NamedTuple):
   windows: jax.Array
 
 
-class WindowEstimate(NamedTuple):
-  """One window's raw, unbiased estimates.
+class NoiseScaleEstimate(NamedTuple):
+  """One window's raw, unbiased estimates, as the in-step path returns them.
 
   Attributes:
     grad_sq: estimate of |G|^2 from this window alone.
     trace_sigma: estimate of tr(Sigma) from this window alone.
     measured: whether the window held at least 2 micro-gradients (else both
-      estimates are meaningless and :func:`smooth` leaves the average be).
+      estimates are meaningless and :func:`ga_optax.smooth_noise_scale`
+      leaves the averages be).
   """
 
   grad_sq: jax.Array
@@ -64,8 +65,8 @@ class WindowEstimate(NamedTuple):
   measured: jax.Array
 
 
-class Smoothed(NamedTuple):
-  """Exponential moving averages of the window estimates.
+class NoiseScaleAverages(NamedTuple):
+  """Exponential moving averages of window estimates, read by :func:`ga_optax.noise_scale`.
 
   Attributes:
     grad_sq: the average of ``grad_sq`` estimates, not yet debiased.
@@ -93,11 +94,11 @@ class WindowNoise(NamedTuple):
 
   square_sum: jax.Array
   micro_gradients: jax.Array
-  smoothed: Smoothed
+  smoothed: NoiseScaleAverages
 
 
 def check_decay(decay: Any) -> float | None:
-  """``noise_scale_decay`` checked: None, or a real number in [0, 1).
+  """A decay checked: None, or a real number in [0, 1).
 
   Raises:
     TypeError: not None and not a real number.
@@ -118,10 +119,10 @@ def check_decay(decay: Any) -> float | None:
   return float(decay)
 
 
-def init_smoothed() -> Smoothed:
+def no_averages() -> NoiseScaleAverages:
   """Averages over no window yet."""
   zero = jnp.zeros((), jnp.float32)
-  return Smoothed(zero, zero, zero, jnp.zeros((), jnp.int32))
+  return NoiseScaleAverages(zero, zero, zero, jnp.zeros((), jnp.int32))
 
 
 def square_norm(tree: Any) -> jax.Array:
@@ -140,7 +141,7 @@ def window_estimate(
   micro_gradients: jax.Array,
   weight: jax.Array,
   mean_square: jax.Array,
-) -> WindowEstimate:
+) -> NoiseScaleEstimate:
   """The unbiased estimates of one window, from its sums.
 
   Args:
@@ -156,12 +157,12 @@ def window_estimate(
     measured, count - 1.0, 1.0
   )
   grad_sq = mean_square - trace_sigma / jnp.where(weight > 0, weight, 1.0)
-  return WindowEstimate(grad_sq, trace_sigma, measured)
+  return NoiseScaleEstimate(grad_sq, trace_sigma, measured)
 
 
 def smooth(
-  smoothed: Smoothed, estimate: WindowEstimate, decay: float
-) -> Smoothed:
+  smoothed: NoiseScaleAverages, estimate: NoiseScaleEstimate, decay: float
+) -> NoiseScaleAverages:
   """The averages after one more window; unchanged if it was not measured."""
 
   def average(old: jax.Array, new: jax.Array) -> jax.Array:
@@ -169,7 +170,7 @@ def smooth(
       estimate.measured, decay * old + (1.0 - decay) * new, old
     ).astype(old.dtype)
 
-  return Smoothed(
+  return NoiseScaleAverages(
     grad_sq=average(smoothed.grad_sq, estimate.grad_sq),
     trace_sigma=average(smoothed.trace_sigma, estimate.trace_sigma),
     debias=average(smoothed.debias, jnp.ones((), smoothed.debias.dtype)),
@@ -177,7 +178,48 @@ def smooth(
   )
 
 
-def read(smoothed: Smoothed) -> NoiseScale:
+def smooth_noise_scale(
+  averages: NoiseScaleAverages | None,
+  estimate: NoiseScaleEstimate,
+  decay: float,
+) -> NoiseScaleAverages:
+  """Folds one window's estimates into the averages, as ``accumulate`` does.
+
+  For the in-step path: ``microbatched_value_and_grad(...,
+  noise_scale=True)`` returns each call's raw estimates; keep the averages
+  across train steps with this, and read them with
+  :func:`ga_optax.noise_scale`.
+
+  Args:
+    averages: what the previous call returned, or None to start.
+    estimate: one window's estimates.
+    decay: in [0, 1): each window's estimates count ``1 - decay`` against
+      the average so far (0 keeps the last window's).
+
+  Returns:
+    The new averages (a pytree of scalars: jit it, carry it, save it).
+
+  Raises:
+    TypeError, ValueError: ``decay`` is not a number in [0, 1).
+
+  Example:
+    >>> import jax.numpy as jnp, ga_optax
+    >>> estimate = ga_optax.NoiseScaleEstimate(
+    ...     grad_sq=jnp.float32(4.0), trace_sigma=jnp.float32(2.0),
+    ...     measured=jnp.bool_(True))
+    >>> averages = ga_optax.smooth_noise_scale(None, estimate, decay=0.9)
+    >>> float(ga_optax.noise_scale(averages).b_simple)
+    0.5
+  """
+  checked = check_decay(decay)
+  if checked is None:
+    raise TypeError("decay must be a number in [0, 1), got None.")
+  if averages is None:
+    averages = no_averages()
+  return smooth(averages, estimate, checked)
+
+
+def read(smoothed: NoiseScaleAverages) -> NoiseScale:
   """The debiased averages and their ratio."""
   grad_sq = smoothed.grad_sq / smoothed.debias
   trace_sigma = smoothed.trace_sigma / smoothed.debias
@@ -228,7 +270,7 @@ class Measured:
 
   def init(self, parallel: Any) -> WindowNoise:
     square_sum, micro_gradients = parallel.noise_terms_zero()
-    return WindowNoise(square_sum, micro_gradients, init_smoothed())
+    return WindowNoise(square_sum, micro_gradients, no_averages())
 
   def add(
     self,

@@ -15,7 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src.noise_scale import NoiseScale, Smoothed, WindowNoise, read
+from ga_optax._src.noise_scale import (
+  NoiseScale,
+  NoiseScaleAverages,
+  WindowNoise,
+  read,
+)
 
 
 class AccumulateState(NamedTuple):
@@ -212,7 +217,7 @@ def noise_scale(state: Any) -> NoiseScale:
     >>> float(estimate.trace_sigma), float(estimate.grad_sq)
     (2.0, 4.0)
   """
-  if isinstance(state, Smoothed):
+  if isinstance(state, NoiseScaleAverages):
     return read(state)
   found = find_state(state).noise_scale
   if found is None:

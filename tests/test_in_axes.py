@@ -457,9 +457,9 @@ def test_bad_in_axes_for_the_batch_are_named(in_axes, match):
   with pytest.raises(ValueError, match=match):
     value_and_grad(jnp.ones(()), _simple_batch())
   with pytest.raises(ValueError, match=match):
-    ga_optax.unreduced_value_and_grad(_loss, "data", in_axes=in_axes)(
-      jnp.ones(()), _simple_batch()
-    )
+    ga_optax.unreduced_value_and_grad(
+      _loss, unreduced_axes="data", in_axes=in_axes
+    )(jnp.ones(()), _simple_batch())
 
 
 @pytest.mark.parametrize("in_axes", ["x", 1.0, True, {"x": 1, "y": "0"}])

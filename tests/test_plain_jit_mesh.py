@@ -397,7 +397,7 @@ def test_mismatched_sharding_types_are_named_errors():
     with pytest.raises(ValueError, match="Explicit"):
       tx.init(params)
     with pytest.raises(ValueError, match="Explicit"):
-      ga_optax.unreduced_value_and_grad(token_mean_loss, "data")(
+      ga_optax.unreduced_value_and_grad(token_mean_loss, unreduced_axes="data")(
         params, jax.device_put(batch, NamedSharding(auto, P("data")))
       )
 

@@ -594,10 +594,12 @@ def microbatched_value_and_grad(
       weight >= 0, such as its number of real tokens. A boolean is a
       ``TypeError``; a negative weight cannot be refused at trace time and
       makes value and gradients NaN, never a plausible wrong number.
-    axis_name: the data-parallel axes: a mesh axis name or a tuple of them.
-      Under plain ``jit``, the axes the batch is sharded over (read from the
-      batch's type under Explicit axes when None). Inside ``jax.shard_map``
-      or ``pmap``, the axis to sum over after the scan.
+    axis_name: the data-parallel axes, as everywhere in ga_optax: the
+      axes the batch's rows are split over (a mesh axis name or a tuple of
+      them). Under plain ``jit`` they are mesh axes (read from the batch's
+      type under Explicit axes when None; name them under Auto axes).
+      Inside ``jax.shard_map`` or ``pmap`` they are the manual axes to sum
+      over after the scan.
     in_axes: where each leaf of ``batch`` holds the batch's entries, with
       ``jax.vmap``'s meaning: an int axis or None for each leaf, given as a
       pytree prefix of ``batch`` (``0``: every leaf along its leading axis;
@@ -736,8 +738,8 @@ def _local_or_manual(
 
 def unreduced_value_and_grad(
   fun: Callable[..., Any],
-  unreduced_axes: Any = None,
   *,
+  unreduced_axes: Any = None,
   has_aux: bool = False,
   weight_fn: WeightFn | None = None,
   in_axes: Any = 0,

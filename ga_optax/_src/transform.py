@@ -189,9 +189,14 @@ def accumulate(
       ``num_skipped``. With ``axis_name`` or ``unreduced_axes`` the check is
       global (a scalar all-reduce per micro-step) so that every device drops
       the same micro-steps.
-    axis_name: inside ``jax.shard_map`` or ``pmap``, the data-parallel axis.
-      Micro-steps accumulate device-locally with no collective; the closing
-      call sums accumulator and weights over the axis once.
+    axis_name: the data-parallel axes, as everywhere in ga_optax: the
+      axes the batch's rows are split over, each device holding its own.
+      Here they must be manual, that is the step runs inside
+      ``jax.shard_map`` or ``pmap`` over them: micro-steps accumulate
+      device-locally with no collective, and the closing call sums
+      accumulator and weights over the axes once. (Under a plain
+      ``jax.jit`` the partial sums live in the accumulator's type instead:
+      ``unreduced_axes``.)
     unreduced_axes: under a plain ``jax.jit`` with a batch sharded over
       Explicit mesh axes, those axes: ``init`` makes the accumulator
       ``unreduced`` over them (each parameter's sharding kept otherwise),
@@ -375,7 +380,8 @@ def accumulate_and_apply(
     reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
     accumulator_dtype: floating dtype of the accumulator.
     skip_nonfinite: drop micro-steps whose gradients hold NaN or Inf.
-    axis_name: the data-parallel axis inside ``jax.shard_map`` or ``pmap``.
+    axis_name: the data-parallel axes, manual inside ``jax.shard_map`` or
+      ``pmap``, as for :func:`ga_optax.accumulate`.
     unreduced_axes: under a plain ``jax.jit``, the Explicit mesh axes the
       gradients are unreduced over, as for :func:`ga_optax.accumulate`.
     accumulator_memory_kind: a memory kind to keep the accumulator in

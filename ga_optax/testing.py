@@ -172,8 +172,9 @@ def _excluded_paths(
       f"['bias'].value\"), got {exclude!r} of type {type(exclude).__name__}."
     )
   excluded = tuple(path for path in paths if exclude(path))
-  # A filter that matches nothing is stale (a renamed layer); one that
-  # matches everything leaves nothing to check. Both would pass silently.
+  # A filter that matches nothing is a mistake (a renamed layer, a path
+  # written without NNX's ".value"); one that matches everything would let
+  # any defect pass.
   if not excluded:
     raise ValueError(
       f"exclude matched no leaf; the leaves' paths are {list(paths)}."

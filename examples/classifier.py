@@ -19,7 +19,14 @@ prints a results table and writes a PNG of the three loss curves to
 ``./ga_optax_output/classifier`` under the current directory
 (``--output-dir`` changes it).
 
+With ``--noise-scale`` the ga_optax run also measures the gradient noise
+scale ``B_simple`` from its windows (``noise_scale_decay=``), in samples,
+prints it at a few points of training and plots it next to the batch in use
+(``noise_scale.png``): how large a batch would still pay (see the docs page
+"How big should the batch be?").
+
     python examples/classifier.py
+    python examples/classifier.py --noise-scale
     python examples/classifier.py --data-dir ~/data/fashion-mnist --epochs 2
 """
 
@@ -40,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
 from tqdm import tqdm
 
 import ga_optax
@@ -77,12 +85,25 @@ class Dataset(NamedTuple):
   num_classes: int
 
 
+class NoiseScaleTrace(NamedTuple):
+  """The gradient noise scale as read after each update of a run.
+
+  Attributes:
+    items: the batch in use: samples in each update's window.
+    b_simple: the smoothed ``B_simple`` after each update, in samples.
+  """
+
+  items: list[float]
+  b_simple: list[float]
+
+
 class RunResult(NamedTuple):
   """What one training run produced."""
 
   params: Any
   losses: list[float]
   test_accuracy: float
+  noise_scale: NoiseScaleTrace | None = None
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -240,8 +261,16 @@ def train_large_batch(
 def train_ga_optax(
   model: MLP, params: Any, data: Dataset, args: argparse.Namespace
 ) -> RunResult:
-  """``ga_optax.accumulate``: weight each micro-batch by its sample count."""
-  tx = ga_optax.accumulate(optax.adam(args.learning_rate), args.every_k)
+  """``ga_optax.accumulate``: weight each micro-batch by its sample count.
+
+  With ``args.noise_scale``, the window also measures the gradient noise
+  scale (in samples, the unit of the weights), read after every update.
+  """
+  tx = ga_optax.accumulate(
+    optax.adam(args.learning_rate),
+    args.every_k,
+    noise_scale_decay=args.noise_scale_decay if args.noise_scale else None,
+  )
   value_and_grad = jax.value_and_grad(make_loss(model))
 
   @jax.jit
@@ -257,6 +286,7 @@ def train_ga_optax(
 
   state = tx.init(params)
   losses = []
+  trace = NoiseScaleTrace(items=[], b_simple=[])
   window_loss = window_size = 0.0
   micro_size = args.batch_size // args.every_k
   for batch, is_last in progress(args, "ga_optax", data, mark_last=True):
@@ -275,8 +305,16 @@ def train_ga_optax(
       window_size += len(micro_batch)
       if bool(ga_optax.emitted(state)):
         losses.append(window_loss / window_size)
+        if args.noise_scale:
+          trace.items.append(window_size)
+          trace.b_simple.append(float(ga_optax.noise_scale(state).b_simple))
         window_loss = window_size = 0.0
-  return RunResult(params, losses, accuracy(model, params, data))
+  return RunResult(
+    params,
+    losses,
+    accuracy(model, params, data),
+    trace if args.noise_scale else None,
+  )
 
 
 def train_naive(
@@ -377,6 +415,51 @@ def plot_losses(runs: dict[str, RunResult], path: Path) -> None:
   figure.savefig(path, dpi=120)
 
 
+def plot_noise_scale(trace: NoiseScaleTrace, decay: float, path: Path) -> None:
+  """``B_simple`` over training next to the batch in use."""
+  figure = Figure(figsize=(7, 3.6), layout="constrained")
+  axes = figure.subplots()
+  updates = np.arange(1, len(trace.items) + 1)
+  b_simple = np.asarray(trace.b_simple)
+  # A smoothed |G|^2 at or below 0 (the gradient lost in the noise of a
+  # batch this size) gives a B_simple that a log scale cannot show.
+  shown = np.where(b_simple > 0, b_simple, np.nan)
+  axes.plot(updates, shown, color="C3", label=f"B_simple (decay {decay})")
+  axes.step(
+    updates,
+    trace.items,
+    where="mid",
+    color="C0",
+    label="batch in use (short at each epoch's end)",
+  )
+  # Powers of 2 as plain numbers: a doubling of the batch is one step up.
+  axes.set_yscale("log", base=2)
+  axes.yaxis.set_major_formatter(ScalarFormatter())
+  axes.set_xlabel("optimizer update")
+  axes.set_ylabel("samples")
+  axes.set_title("gradient noise scale and the batch in use")
+  axes.legend(loc="lower right")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(path, dpi=100)
+
+
+def report_noise_scale(
+  trace: NoiseScaleTrace, args: argparse.Namespace, path: Path
+) -> None:
+  """Prints ``B_simple`` at a few points of training and plots all of it."""
+  b_simple = np.asarray(trace.b_simple)
+  count = len(b_simple)
+  print(
+    f"\ngradient noise scale B_simple (samples; decay"
+    f" {args.noise_scale_decay}) against a batch of {args.batch_size}:"
+  )
+  for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
+    update = max(1, round(fraction * count))
+    print(f"  after update {update:>4}: {b_simple[update - 1]:10.1f}")
+  plot_noise_scale(trace, args.noise_scale_decay, path)
+  print(f"noise scale: {path.resolve()}")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
@@ -396,6 +479,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--hidden", type=int, default=128)
   parser.add_argument("--learning-rate", type=float, default=1e-3)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--noise-scale",
+    action="store_true",
+    help="also measure the gradient noise scale B_simple in the ga_optax run"
+    " and plot it next to the batch in use",
+  )
+  parser.add_argument(
+    "--noise-scale-decay",
+    type=float,
+    default=0.95,
+    help="with --noise-scale: how slowly the per-window estimates are"
+    " averaged (default 0.95, about 20 windows)",
+  )
   parser.add_argument(
     "--output-dir",
     type=Path,
@@ -417,12 +513,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
   """Runs the comparison; returns what each run ended with.
 
   Per run: ``test_accuracy``, ``first_loss`` and ``final_loss``,
   ``params_finite``, and ``max_param_difference``: the
-  ``max_relative_difference`` of its parameters to the large batch's.
+  ``max_relative_difference`` of its parameters to the large batch's. With
+  ``--noise-scale``, the ga_optax run's also has the lists ``items`` and
+  ``b_simple`` of :class:`NoiseScaleTrace`, one entry per update.
   """
   args = parse_args(argv)
   if args.data_dir is not None:
@@ -487,6 +585,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   plot_path = args.output_dir / "classifier_losses.png"
   plot_losses(runs, plot_path)
   print(f"\nloss curves: {plot_path.resolve()}")
+  trace = runs["ga_optax.accumulate"].noise_scale
+  if trace is not None:
+    results["ga_optax.accumulate"] |= trace._asdict()
+    report_noise_scale(trace, args, args.output_dir / "noise_scale.png")
   return results
 
 

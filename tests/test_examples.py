@@ -183,6 +183,35 @@ def test_classifier_on_bundled_digits(classifier, tmp_path):
   )
   for row in results.values():
     assert 0.0 <= row["test_accuracy"] <= 1.0
+  # Measured only when asked for.
+  assert "b_simple" not in results["ga_optax.accumulate"]
+  assert not (tmp_path / "noise_scale.png").exists()
+
+
+def test_classifier_plots_the_noise_scale(classifier, tmp_path, capsys):
+  results = classifier.main(
+    [
+      *("--epochs", "1", "--train-size", "300", "--hidden", "16"),
+      *("--noise-scale", "--output-dir", str(tmp_path), "--no-progress"),
+    ]
+  )
+
+  # Measuring leaves the training as it was.
+  assert_ga_matches_and_naive_does_not(
+    results, ["ga_optax.accumulate"], "naive loop (/ k)"
+  )
+  row = results["ga_optax.accumulate"]
+  # 300 samples: four windows of 4 x 16, then 16 + 16 + 12 flushed.
+  assert row["items"] == [64, 64, 64, 64, 44]
+  # Every window holds at least 2 micro-batches, so each is measured and
+  # the estimate is a number from the first update on.
+  assert len(row["b_simple"]) == 5
+  assert np.isfinite(row["b_simple"]).all(), row["b_simple"]
+  plot = tmp_path / "noise_scale.png"
+  assert plot.stat().st_size > 0
+  printed = capsys.readouterr().out
+  assert "B_simple (samples; decay 0.95) against a batch of 64" in printed
+  assert f"noise scale: {plot.resolve()}" in printed
 
 
 @pytest.mark.parametrize("name", ["classifier", "lm_token_weighting"])

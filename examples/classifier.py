@@ -438,7 +438,7 @@ def plot_noise_scale(trace: NoiseScaleTrace, decay: float, path: Path) -> None:
   axes.set_xlabel("optimizer update")
   axes.set_ylabel("samples")
   axes.set_title("gradient noise scale and the batch in use")
-  axes.legend(loc="lower right")
+  axes.legend(loc="upper left")
   path.parent.mkdir(parents=True, exist_ok=True)
   figure.savefig(path, dpi=100)
 

@@ -9,6 +9,7 @@ state are donated, as in a real training loop.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -61,8 +62,8 @@ def _transformation_step(loss_fn, tx):
 
 def build(workload: Workload) -> list[Contender]:
   """All contenders for ``workload``; those the installed ga_optax lacks are
-  left out (the micro-batched path and the fused path are optional here so
-  that the script also measures older versions)."""
+  left out (the micro-batched path, the fused path and the noise scale are
+  optional here so that the script also measures older versions)."""
   loss_fn, k = workload.loss_fn, workload.every_k
   adam = optax.adam(LEARNING_RATE)
   contenders = [
@@ -94,6 +95,18 @@ def build(workload: Workload) -> list[Contender]:
       closes_windows=True,
     )
   )
+  if "noise_scale_decay" in inspect.signature(ga_optax.accumulate).parameters:
+    measured = ga_optax.accumulate(adam, k, noise_scale_decay=0.99)
+    contenders.append(
+      Contender(
+        "ga_optax.accumulate + noise scale",
+        "the above, measuring the gradient noise scale (noise_scale_decay)",
+        _jit(_transformation_step(loss_fn, measured)),
+        measured.init,
+        "micro",
+        closes_windows=True,
+      )
+    )
   if hasattr(ga_optax, "accumulate_and_apply"):
     fused = ga_optax.accumulate_and_apply(adam, k)
 

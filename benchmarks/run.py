@@ -122,6 +122,27 @@ FIGURES = [
     1.10,
   ),
   (
+    "accumulate micro-step with the noise scale / without",
+    ("ga_optax.accumulate + noise scale", "micro_ms"),
+    ("ga_optax.accumulate", "micro_ms"),
+    "<=",
+    1.15,
+  ),
+  (
+    "accumulate window-closing step with the noise scale / without",
+    ("ga_optax.accumulate + noise scale", "closing_ms"),
+    ("ga_optax.accumulate", "closing_ms"),
+    "info",
+    None,
+  ),
+  (
+    "accumulate compiled temp bytes with the noise scale / without",
+    ("ga_optax.accumulate + noise scale", "temp_bytes"),
+    ("ga_optax.accumulate", "temp_bytes"),
+    "info",
+    None,
+  ),
+  (
     "MultiSteps micro-step / floor (gradient + accumulate + zero updates)",
     ("optax.MultiSteps", "micro_ms"),
     ("floor: + write and apply zero updates", "micro_ms"),
@@ -194,7 +215,9 @@ def _measure_workload(workload, repeats: int, warmup: int) -> dict[str, Any]:
   carries, feeds, results = {}, {}, {}
   for contender in contenders:
     params = _fresh(workload.params)
-    state = contender.init(params)
+    # Its own buffers too: donation refuses one buffer passed for two
+    # leaves, as an init that shares a zero between leaves returns.
+    state = _fresh(contender.init(params))
     feeds[contender.name] = _feeds(contender, workload, fixed_grads)
     print(f"  compiling {contender.name}", file=sys.stderr, flush=True)
     results[contender.name] = {

@@ -16,9 +16,8 @@ import jax
 PAGE = Path(__file__).resolve().parent.parent / "docs/how-to/data-parallel.md"
 
 
-def test_data_parallel_how_to_runs(capsys, monkeypatch, tmp_path):
+def test_data_parallel_how_to_runs(capsys):
   source = "\n".join(re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S))
-  monkeypatch.chdir(tmp_path)
   # The page sets its mesh with a global jax.set_mesh; the enclosing
   # context puts back this process's own (none) when the page is done.
   with jax.set_mesh(jax.make_mesh((8,), ("data",))):

@@ -93,16 +93,15 @@ def shard_step(step, mesh: Mesh, check_vma: bool):
   )
 
 
-def run_windows(step, params, state, windows, mesh, *, emitted=None):
-  """Runs every micro-step; checks ``emitted`` closes exactly the windows."""
+def run_windows(step, params, state, windows, mesh):
+  """Runs every micro-step; checks that exactly the windows' last emit."""
   batch_sharding = NamedSharding(mesh, P("data"))
   closing = np.cumsum([len(window) for window in windows]) - 1
   for index, (batch, flush) in enumerate(micro_steps(windows, K)):
     params, state = step(
       params, state, jax.device_put(batch, batch_sharding), jnp.bool_(flush)
     )
-    if emitted is not None:
-      assert bool(emitted(state)) == (index in closing), index
+    assert bool(ga_optax.emitted(state)) == (index in closing), index
   return params, state
 
 
@@ -181,9 +180,7 @@ def test_shard_map_with_check_vma_matches_the_large_batch():
     ("all-reduce", 4)
   ], found
 
-  final, state = run_windows(
-    compiled, params, tx.init(params), windows, mesh, emitted=ga_optax.emitted
-  )
+  final, state = run_windows(compiled, params, tx.init(params), windows, mesh)
   assert int(ga_optax.applied_updates(state)) == len(LENGTHS)
   assert_finite_and_close(
     final, large_batch_reference(SGD, init_params(), windows)
@@ -305,20 +302,13 @@ def test_microbatched_value_and_grad_reduces_after_the_scan(check_vma):
   assert_finite_and_close(compiled(params, batch), expected)
 
 
-@functools.cache
-def consolidating_step(num_devices: int, resume: bool, save: bool):
-  """A micro-step on ``num_devices``, resuming from or saving a total."""
-  tx = ga_optax.accumulate(SGD, K, axis_name="data")
-
-  def step(params, state, batch, flush):
-    if resume:
-      state = ga_optax.split_total(state, axis_name="data")
-    params, state = local_token_step(tx)(params, state, batch, flush)
-    if save:
-      state = ga_optax.consolidate(state, axis_name="data")
-    return params, state
-
-  return tx, shard_step(step, data_mesh(num_devices), check_vma=False)
+def on_each_device(function, mesh: Mesh):
+  """``function(state)`` run on every device of ``mesh``, in shard_map."""
+  return jax.jit(
+    jax.shard_map(
+      function, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
+    )
+  )
 
 
 def test_consolidated_on_8_devices_resumes_on_2():
@@ -326,18 +316,21 @@ def test_consolidated_on_8_devices_resumes_on_2():
   windows = make_windows(LENGTHS, DEVICES, ROWS, seed=5)
   run = list(micro_steps(windows, K))
   saved_after = 4  # one micro-step into the flushed window
-  tx, step = consolidating_step(DEVICES, resume=False, save=False)
-  params, state = init_params(), tx.init(init_params())
+  tx = ga_optax.accumulate(SGD, K, axis_name="data")
   eight, two = data_mesh(), data_mesh(2)
-  for index, (batch, flush) in enumerate(run[:saved_after]):
-    if index == saved_after - 1:
-      _, step = consolidating_step(DEVICES, resume=False, save=True)
+  params, state = init_params(), tx.init(init_params())
+  step = shard_step(local_token_step(tx), eight, check_vma=False)
+  for batch, flush in run[:saved_after]:
     batch = jax.device_put(batch, NamedSharding(eight, P("data")))
     params, state = step(params, state, batch, jnp.bool_(flush))
+  consolidate = functools.partial(ga_optax.consolidate, axis_name="data")
+  state = on_each_device(consolidate, eight)(state)
   # What a checkpoint holds: host arrays, placed anew on 2 devices.
   params, state = jax.device_get((params, state))
-  for index, (batch, flush) in enumerate(run[saved_after:]):
-    _, step = consolidating_step(2, resume=index == 0, save=False)
+  split_total = functools.partial(ga_optax.split_total, axis_name="data")
+  state = on_each_device(split_total, two)(state)
+  step = shard_step(local_token_step(tx), two, check_vma=False)
+  for batch, flush in run[saved_after:]:
     batch = jax.device_put(batch, NamedSharding(two, P("data")))
     params, state = step(params, state, batch, jnp.bool_(flush))
   assert int(ga_optax.applied_updates(state)) == len(LENGTHS)

@@ -405,7 +405,7 @@ def test_leaves_not_sharded_over_the_batch_axes_with_default_in_axes(case):
   )
   if case == "replicated_unreduced":
     value_and_grad = ga_optax.unreduced_value_and_grad(
-      _row_major_masked_loss, "data", weight_fn=_count
+      _row_major_masked_loss, unreduced_axes="data", weight_fn=_count
     )
   else:
     value_and_grad = ga_optax.microbatched_value_and_grad(

@@ -468,3 +468,22 @@ def test_in_step_estimates_count_each_device_micro_batch(layout):
     [grad_sq, trace],
     rtol=2e-5,
   )
+
+
+@pytest.mark.parametrize("path", ["accumulate", "accumulate_and_apply"])
+def test_the_state_from_init_can_be_donated(path):
+  params = jnp.zeros(3)
+  if path == "accumulate":
+    tx = ga_optax.accumulate(optax.sgd(0.1), 2, noise_scale_decay=0.9)
+
+    def step(state, grad):
+      return tx.update(grad, state, params)[1]
+
+  else:
+    tx = ga_optax.accumulate_and_apply(optax.sgd(0.1), 2, noise_scale_decay=0.9)
+
+    def step(state, grad):
+      return tx.apply(params, grad, state)[1]
+
+  state = jax.jit(step, donate_argnums=0)(tx.init(params), jnp.ones(3))
+  assert int(state.micro_step) == 1

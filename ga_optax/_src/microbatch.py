@@ -1,410 +1,36 @@
 """In-step micro-batching: one ``lax.scan`` over the micro-batches of a batch.
 
 ``microbatched_value_and_grad`` turns a loss on a batch into a function that
-splits the batch into micro-batches, computes each one's value and gradient
-inside a ``lax.scan`` (so only one micro-batch's activations are alive at a
-time), and returns their weighted mean. The pipeline has three stages: split
-the batch along each leaf's ``in_axes`` axis
-(:func:`batch_layout.split_microbatches`), add one micro-batch's weighted
-value and gradient into the sums (the scan body,
-:meth:`Microbatching.add_microbatch`), and reduce the sums to means once,
-after the scan (:meth:`Microbatching.mean`).
-
-Gradients are taken of the floating (and complex) array leaves of the
-parameters; every other leaf (an Equinox model's activation functions, an
-integer counter) is held static, as ``equinox.filter_value_and_grad`` does
-(:class:`Trainable`).
-
-On several devices the scan runs per device, on each device's own entries,
-and the sums are reduced once after it: inside a ``jax.shard_map`` the
-caller wrote (``axis_name``), or inside one this module writes over the mesh
-axes a batch is sharded over under a plain ``jax.jit``
-(:func:`per_device_sums`).
+splits the batch into micro-batches along each leaf's ``in_axes`` axis
+(:func:`batch_layout.split_microbatches`), sums each one's weighted value and
+gradient inside a ``lax.scan`` (:mod:`ga_optax._src.microbatch_scan`), and
+returns their weighted mean. ``unreduced_value_and_grad`` is one micro-batch
+per device, its gradients left unreduced. Where the scan runs on several
+devices is :mod:`ga_optax._src.microbatch_devices`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec
 
-from ga_optax._src import batch_layout, dtypes, eager, validation
-from ga_optax._src import noise_scale as noise_lib
-from ga_optax._src.batch_layout import BatchLayout
+from ga_optax._src import batch_layout, eager, validation
+from ga_optax._src.microbatch_devices import (
+  data_parallel_axes,
+  local_or_manual,
+  per_device_sums,
+  unreduced_batch_axes,
+)
+from ga_optax._src.microbatch_scan import (
+  Inputs,
+  Microbatching,
+  Trainable,
+  WeightFn,
+)
 from ga_optax._src.parallel import axes as axes_lib
-
-WeightFn = Callable[[Any], Any]
-
-
-class Trainable(NamedTuple):
-  """Parameters split into what is differentiated and what is held static.
-
-  Both trees have the parameters' structure, each with None where the other
-  has the leaf (``equinox.partition``'s convention), so that gradients come
-  out with the parameters' structure and None at every static leaf.
-
-  Attributes:
-    diff: the floating and complex array leaves.
-    static: every other leaf: functions, strings, integer or key arrays.
-  """
-
-  diff: Any
-  static: Any
-
-  @classmethod
-  def of(cls, params: Any) -> Trainable:
-    """``params`` split by :func:`validation.is_inexact_array`."""
-    return cls(
-      diff=jax.tree.map(
-        lambda leaf: leaf if validation.is_inexact_array(leaf) else None,
-        params,
-      ),
-      static=jax.tree.map(
-        lambda leaf: None if validation.is_inexact_array(leaf) else leaf,
-        params,
-      ),
-    )
-
-  def params(self, diff: Any) -> Any:
-    """The parameters with ``diff`` in place of the differentiated leaves."""
-    return jax.tree.map(
-      lambda trained, held: held if trained is None else trained,
-      diff,
-      self.static,
-      is_leaf=lambda node: node is None,
-    )
-
-
-class Inputs(NamedTuple):
-  """One call's arguments, its batch split by the batch's layout.
-
-  Attributes:
-    trainable: the parameters.
-    layout: where the batch's entries lie.
-    split: the batch leaves split into micro-batches (one device's share
-      inside a ``shard_map``).
-    whole: the batch leaves passed whole to every micro-batch.
-    args: extra positional arguments, for every micro-batch.
-    kwargs: extra keyword arguments, for every micro-batch.
-    rng: the key folded per micro-batch, or None.
-  """
-
-  trainable: Trainable
-  layout: BatchLayout
-  split: list[Any]
-  whole: list[Any]
-  args: tuple[Any, ...]
-  kwargs: dict[str, Any]
-  rng: Any
-
-  def shared(self) -> tuple[Any, ...]:
-    """What every device needs whole: all but the split batch leaves."""
-    return self.trainable, self.whole, self.args, self.kwargs, self.rng
-
-  def with_shared(self, shared: tuple[Any, ...], split: list[Any]) -> Inputs:
-    """These inputs with ``shared`` (as :meth:`shared` gives) and ``split``."""
-    trainable, whole, args, kwargs, rng = shared
-    return self._replace(
-      trainable=trainable,
-      split=split,
-      whole=whole,
-      args=args,
-      kwargs=kwargs,
-      rng=rng,
-    )
-
-
-class Sums(NamedTuple):
-  """Weighted sums over micro-batches, kept in the carry of the scan.
-
-  Attributes:
-    grads: ``sum(w_i * grad_i)``, a tree like the differentiated params.
-    value: ``sum(w_i * value_i)``.
-    weight: ``sum(w_i)``; NaN once a negative weight was seen.
-    square: with ``noise_scale``, ``sum(w_i |grad_i|^2)``; else None.
-    micro_batches: with ``noise_scale``, how many micro-batches had weight
-      > 0; else None.
-  """
-
-  grads: Any
-  value: jax.Array
-  weight: jax.Array
-  square: Any = None
-  micro_batches: Any = None
-
-
-class Microbatching(NamedTuple):
-  """How to split a batch and sum its micro-batches' values and gradients.
-
-  Attributes:
-    fun: the loss, ``fun(params, microbatch, *args, **kwargs)``.
-    num_microbatches: micro-batches per batch.
-    has_aux: the loss returns ``(value, aux)``.
-    weight_fn: ``microbatch -> scalar weight``, or None for weight 1.
-    accumulator_dtype: the floating dtype of the gradient sums.
-    remat: each micro-batch's loss runs under ``jax.checkpoint``.
-    checkpoint_policy: the ``jax.checkpoint`` policy with ``remat``.
-    noise_scale: also sum what the gradient noise scale needs.
-  """
-
-  fun: Callable[..., Any]
-  num_microbatches: int
-  has_aux: bool
-  weight_fn: WeightFn | None
-  accumulator_dtype: jnp.dtype
-  remat: bool
-  checkpoint_policy: Callable[..., bool] | None
-  noise_scale: bool = False
-
-  def zeros(self, diff: Any) -> Sums:
-    """Empty sums for the differentiated params ``diff``."""
-    return Sums(
-      # zeros_like keeps each parameter's sharding over other mesh axes.
-      grads=jax.tree.map(
-        lambda param: jnp.zeros_like(
-          param,
-          dtypes.sum_dtype(jnp.result_type(param), self.accumulator_dtype),
-        ),
-        diff,
-      ),
-      value=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
-      weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
-      square=jnp.zeros((), jnp.float32) if self.noise_scale else None,
-      micro_batches=jnp.zeros((), jnp.int32) if self.noise_scale else None,
-    )
-
-  def weight_of(self, microbatch: Any) -> jax.Array:
-    """The micro-batch's weight; a negative one becomes NaN.
-
-    A negative weight cannot be refused at trace time; NaN makes it poison
-    the result instead of giving a plausible wrong number.
-    """
-    weight_dtype = dtypes.weight_dtype(self.accumulator_dtype)
-    if self.weight_fn is None:
-      return jnp.ones((), weight_dtype)
-    weight = self.weight_fn(microbatch)
-    if jnp.shape(weight) != ():
-      raise ValueError(
-        "weight_fn must return a scalar per micro-batch (for example its"
-        f" number of real tokens), got shape {jnp.shape(weight)}."
-      )
-    dtype = jnp.result_type(weight)
-    if (
-      not (
-        jnp.issubdtype(dtype, jnp.integer)
-        or jnp.issubdtype(dtype, jnp.floating)
-      )
-      or dtype == jnp.bool_
-    ):
-      raise TypeError(
-        "weight_fn must return a real number (an integer or floating"
-        f" scalar such as a token count), got dtype {dtype}. A boolean"
-        " mask must be summed first."
-      )
-    weight = jnp.asarray(weight, weight_dtype)
-    return jnp.where(weight < 0, jnp.nan, weight)
-
-  def value_and_grad(
-    self,
-    trainable: Trainable,
-    microbatch: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-  ) -> tuple[Any, Any]:
-    """``fun``'s output on one micro-batch, and its gradient in ``diff``."""
-
-    def loss(diff: Any) -> Any:
-      return self.fun(trainable.params(diff), microbatch, *args, **kwargs)
-
-    if self.remat:
-      loss = jax.checkpoint(loss, policy=self.checkpoint_policy)
-    return jax.value_and_grad(loss, has_aux=self.has_aux)(trainable.diff)
-
-  def add_microbatch(
-    self,
-    sums: Sums,
-    trainable: Trainable,
-    microbatch: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-  ) -> tuple[Sums, Any]:
-    """Adds one micro-batch's weighted value and gradient to ``sums``."""
-    output, grads = self.value_and_grad(trainable, microbatch, args, kwargs)
-    value, aux = output if self.has_aux else (output, None)
-    weight = self.weight_of(microbatch)
-    # A weight-0 micro-batch may hold a 0 / 0 loss: select, not multiply.
-    has_weight = weight > 0
-
-    def add(total: jax.Array, term: jax.Array) -> jax.Array:
-      term = term.astype(total.dtype)
-      if self.weight_fn is None:
-        return total + term
-      weighted = weight.astype(total.dtype) * term
-      return total + jnp.where(has_weight, weighted, jnp.zeros((), total.dtype))
-
-    new_sums = Sums(
-      grads=jax.tree.map(add, sums.grads, grads),
-      value=add(sums.value, value),
-      weight=sums.weight + weight,
-    )
-    if self.noise_scale:
-      square = weight.astype(jnp.float32) * noise_lib.square_norm(grads)
-      new_sums = new_sums._replace(
-        square=sums.square + jnp.where(has_weight, square, 0.0),
-        micro_batches=sums.micro_batches + has_weight.astype(jnp.int32),
-      )
-    return new_sums, aux
-
-  def sums(
-    self, inputs: Inputs, varying_axes: axes_lib.Axes = ()
-  ) -> tuple[Sums, Any]:
-    """The weighted sums over the micro-batches of ``inputs``' batch.
-
-    ``varying_axes``: inside a ``jax.shard_map`` that checks varying axes,
-    the manual axes the gradients vary over; the carry is cast to vary over
-    them too, so that the scan keeps its type.
-    """
-    layout, trainable = inputs.layout, inputs.trainable
-    microbatches = batch_layout.split_microbatches(
-      inputs.split, layout.split_axes, self.num_microbatches
-    )
-    initial = axes_lib.cast_to_varying(self.zeros(trainable.diff), varying_axes)
-
-    def scan_body(sums: Sums, xs: tuple[jax.Array, Any]) -> tuple[Sums, Any]:
-      index, split = xs
-      microbatch = layout.rebuild(split, inputs.whole)
-      kwargs = dict(inputs.kwargs)
-      if inputs.rng is not None:
-        kwargs["rng"] = jax.random.fold_in(inputs.rng, index)
-      return self.add_microbatch(
-        sums, trainable, microbatch, inputs.args, kwargs
-      )
-
-    indices = jnp.arange(self.num_microbatches, dtype=jnp.int32)
-    return jax.lax.scan(scan_body, initial, (indices, microbatches))
-
-  def mean(self, sums: Sums, diff: Any) -> tuple[jax.Array, Any]:
-    """``(value, grads)``: the sums over their weight, grads in diff's dtypes.
-
-    All-zero weights (a batch of padding only) give zeros, not 0 / 0; a NaN
-    weight (a negative one was seen) gives NaN.
-    """
-    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)
-    grads = jax.tree.map(
-      lambda total, param: (total * scale.astype(total.dtype)).astype(
-        jnp.result_type(param)
-      ),
-      sums.grads,
-      diff,
-    )
-    return sums.value * scale, grads
-
-  def estimate(self, sums: Sums) -> noise_lib.NoiseScaleEstimate | None:
-    """The noise scale's estimates from sums over every micro-batch."""
-    if not self.noise_scale:
-      return None
-    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)
-    mean_square = (
-      noise_lib.square_norm(sums.grads) * scale.astype(jnp.float32) ** 2
-    )
-    return noise_lib.window_estimate(
-      sums.square,
-      sums.micro_batches,
-      sums.weight.astype(jnp.float32),
-      mean_square,
-    )
-
-
-def per_device_sums(
-  microbatching: Microbatching,
-  axes: axes_lib.Axes,
-  inputs: Inputs,
-  *,
-  unreduced: bool,
-) -> tuple[jax.Array, Any, Any, Any]:
-  """Micro-batching of a batch sharded over mesh ``axes``, under plain jit.
-
-  Each device scans its own entries; the map over the devices does not
-  check varying axes, so each micro-batch's gradient stays a device-local
-  partial sum and the user's loss runs as JAX runs it. The sums are reduced
-  once, after the scan. With ``unreduced``, the gradients leave scaled by
-  the global weight but not summed over devices: ``unreduced`` over
-  ``axes``, for ``accumulate(..., unreduced_axes=axes)`` to sum once per
-  window.
-
-  Returns:
-    ``(value, grads, aux, estimate)``; aux leaves are stacked per
-    sub-batch, device major: entry ``d * k + i`` is micro-batch ``i`` on
-    device ``d``; ``estimate`` is the noise scale's (or None).
-  """
-  devices = batch_layout.device_count(axes)
-  batch_layout.check_divisible(
-    inputs.layout, microbatching.num_microbatches, devices
-  )
-  local_layout = inputs.layout._replace(size=inputs.layout.size // devices)
-  arrays, rebuild = batch_layout.split_arrays(inputs.shared())
-  diff = inputs.trainable.diff
-
-  def per_device(arrays: list[Any], split: list[Any]) -> Any:
-    local = inputs.with_shared(rebuild(arrays), split)
-    local = local._replace(layout=local_layout)
-    if local.rng is not None:
-      # Devices hold different entries: they must not share dropout masks.
-      local = local._replace(
-        rng=jax.random.fold_in(local.rng, jax.lax.axis_index(axes))
-      )
-    sums, aux = microbatching.sums(local)
-    if not unreduced:
-      sums = jax.lax.psum(sums, axes)
-      value, grads = microbatching.mean(sums, local.trainable.diff)
-      return value, grads, aux, microbatching.estimate(sums)
-    value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
-    value, grads = microbatching.mean(
-      Sums(sums.grads, value_sum, weight_sum), local.trainable.diff
-    )
-    # One partial sum per device, stacked along a new leading axis: a
-    # shard_map may not return unreduced values while other axes stay
-    # outside it, so they are summed into unreduced ones below.
-    return value, jax.tree.map(lambda grad: grad[None], grads), aux, None
-
-  # Gradients keep each parameter's spec over other mesh axes; stacked
-  # partial sums get a leading axis over the batch axes.
-  grad_specs = jax.tree.map(
-    lambda param: PartitionSpec(
-      *((axes,) if unreduced else ()),
-      *axes_lib.without_axes(axes_lib.spec_of(param), axes).partitions,
-    ),
-    diff,
-  )
-  value, grads, aux, estimate = batch_layout.map_over_batch_axes(
-    per_device,
-    axes,
-    arrays,
-    inputs.split,
-    inputs.layout.split_axes,
-    out_specs=(
-      PartitionSpec(),
-      grad_specs,
-      PartitionSpec(axes),
-      PartitionSpec(),
-    ),
-  )
-  if unreduced:
-    grads = axes_lib.sum_to_unreduced(grads, diff, axes)
-  elif _explicit(axes):
-    # A parameter sharded over a batch axis (FSDP) was gathered for the
-    # scan; its gradient goes back to the parameter's own sharding.
-    grads = axes_lib.reshard_tree(grads, jax.tree.map(axes_lib.spec_of, diff))
-  return value, grads, aux, estimate
-
-
-def _explicit(axes: axes_lib.Axes) -> bool:
-  types = axes_lib.mesh_axis_types()
-  return all(types[axis] == AxisType.Explicit for axis in axes)
 
 
 def _check_options(
@@ -466,56 +92,6 @@ def _inputs(
   layout = batch_layout.layout_of(batch, in_axes)
   split, whole = layout.parts(batch)
   return Inputs(Trainable.of(params), layout, split, whole, args, kwargs, rng)
-
-
-def _data_parallel_axes(
-  inputs: Inputs, axis_name: Any
-) -> tuple[axes_lib.Axes, axes_lib.Axes]:
-  """``(mesh_axes, manual_axes)``: where the batch is split, and how.
-
-  ``mesh_axes``: the axes of a batch sharded under plain ``jit``, from
-  ``axis_name`` or, under Explicit axes, from the batch's type.
-  ``manual_axes``: axes the caller's ``shard_map`` (or ``pmap``) is manual
-  over, to be summed over with a collective.
-  """
-  sharded_over = batch_layout.sharded_axes(inputs.layout, inputs.split)
-  if axis_name is None:
-    types = axes_lib.mesh_axis_types()
-    missing = [axis for axis in sharded_over if axis not in types]
-    if missing:
-      raise ValueError(
-        f"batch is sharded over mesh axes {sharded_over!r}, but no mesh"
-        f" with {missing!r} is set: call the function under"
-        " jax.set_mesh(mesh) (or `with jax.set_mesh(mesh):`), so that each"
-        " device can work on its own entries."
-      )
-    return sharded_over, ()
-  named = axes_lib.as_axes(axis_name, "axis_name")
-  in_mesh = axes_lib.mesh_axes(named)
-  if not in_mesh:
-    for axis in named:
-      try:
-        jax.lax.axis_size(axis)
-      except NameError:
-        raise ValueError(
-          f"axis_name {axis!r} is neither an axis of the current mesh nor"
-          " bound by an enclosing jax.shard_map or pmap. Under a plain"
-          " jax.jit, set the mesh the batch is sharded on with"
-          " jax.set_mesh(mesh)."
-        ) from None
-    return (), named
-  if in_mesh != named:
-    raise ValueError(
-      f"axis_name {named!r} mixes mesh axes {in_mesh!r} with axes this code"
-      " is already manual over (inside shard_map or pmap); name one kind."
-    )
-  if sharded_over and sharded_over != named:
-    raise ValueError(
-      f"axis_name is {named!r}, but batch is sharded over {sharded_over!r}"
-      " along its batch axis (in_axes); pass axis_name=None to use the"
-      " batch's own axes, or reshard the batch."
-    )
-  return named, ()
 
 
 def microbatched_value_and_grad(
@@ -687,53 +263,19 @@ def microbatched_value_and_grad(
     params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
   ) -> Any:
     inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
-    mesh_axes, manual_axes = _data_parallel_axes(inputs, axis_name)
+    mesh_axes, manual_axes = data_parallel_axes(inputs, axis_name)
     if mesh_axes:
       value, grads, aux, estimate = per_device_sums(
         microbatching, mesh_axes, inputs, unreduced=False
       )
     else:
-      value, grads, aux, estimate = _local_or_manual(
+      value, grads, aux, estimate = local_or_manual(
         microbatching, manual_axes, inputs
       )
     output = ((value, aux), grads) if has_aux else (value, grads)
     return (*output, estimate) if noise_scale else output
 
   return eager.compiled_when_eager(value_and_grad_fn)
-
-
-def _local_or_manual(
-  microbatching: Microbatching, manual_axes: axes_lib.Axes, inputs: Inputs
-) -> tuple[jax.Array, Any, Any, Any]:
-  """One device's batch, or the caller's ``shard_map`` over ``manual_axes``."""
-  batch_layout.check_divisible(
-    inputs.layout,
-    microbatching.num_microbatches,
-    where=(
-      f"inside the jax.shard_map (or pmap) over axis_name {manual_axes!r}"
-      if manual_axes
-      else ""
-    ),
-  )
-  # Inside a shard_map that checks varying axes, varying parameters give
-  # device-local gradients: no collective in the backward pass of each
-  # micro-batch, one sum after the scan. (pmap and vmap axes do not track
-  # variance.)
-  varying_axes = axes_lib.shard_map_axes(manual_axes)
-  trainable = inputs.trainable
-  trainable = trainable._replace(
-    diff=axes_lib.cast_to_varying(trainable.diff, varying_axes)
-  )
-  inputs = inputs._replace(trainable=trainable)
-  if manual_axes and inputs.rng is not None:
-    inputs = inputs._replace(
-      rng=jax.random.fold_in(inputs.rng, jax.lax.axis_index(manual_axes))
-    )
-  sums, aux = microbatching.sums(inputs, varying_axes=varying_axes)
-  if manual_axes:
-    sums = jax.lax.psum(sums, manual_axes)
-  value, grads = microbatching.mean(sums, trainable.diff)
-  return value, grads, aux, microbatching.estimate(sums)
 
 
 def unreduced_value_and_grad(
@@ -830,42 +372,10 @@ def unreduced_value_and_grad(
     params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
   ) -> Any:
     inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
-    axes = _unreduced_batch_axes(inputs, unreduced_axes)
+    axes = unreduced_batch_axes(inputs, unreduced_axes)
     value, grads, aux, _ = per_device_sums(
       microbatching, axes, inputs, unreduced=True
     )
     return ((value, aux), grads) if has_aux else (value, grads)
 
   return value_and_grad_fn
-
-
-def _unreduced_batch_axes(inputs: Inputs, unreduced_axes: Any) -> axes_lib.Axes:
-  """The Explicit mesh axes to leave the gradients unreduced over."""
-  sharded_over = batch_layout.sharded_axes(inputs.layout, inputs.split)
-  axes = (
-    sharded_over
-    if unreduced_axes is None
-    else axes_lib.as_axes(unreduced_axes, "unreduced_axes")
-  )
-  if not axes:
-    raise ValueError(
-      "unreduced_axes is None and batch is not sharded along its batch axis"
-      " (in_axes); put the batch with jax.device_put(batch, P('data'))"
-      " under a mesh with Explicit axes (jax.make_mesh + jax.set_mesh), or"
-      " name the axes."
-    )
-  types = axes_lib.mesh_axis_types()
-  not_explicit = [axis for axis in axes if types.get(axis) != AxisType.Explicit]
-  if not_explicit:
-    raise ValueError(
-      f"unreduced_axes {axes!r} must be Explicit axes of the current mesh;"
-      f" {not_explicit!r} are not (mesh axes: {types}). Create the mesh with"
-      " jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)) and set it"
-      " with jax.set_mesh."
-    )
-  if sharded_over and sharded_over != axes:
-    raise ValueError(
-      f"unreduced_axes is {axes!r}, but batch is sharded over"
-      f" {sharded_over!r} along its batch axis (in_axes)."
-    )
-  return axes

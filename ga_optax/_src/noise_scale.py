@@ -121,8 +121,13 @@ def check_decay(decay: Any) -> float | None:
 
 def no_averages() -> NoiseScaleAverages:
   """Averages over no window yet."""
-  zero = jnp.zeros((), jnp.float32)
-  return NoiseScaleAverages(zero, zero, zero, jnp.zeros((), jnp.int32))
+  # Arrays of their own: a state is donated leaf by leaf.
+  return NoiseScaleAverages(
+    grad_sq=jnp.zeros((), jnp.float32),
+    trace_sigma=jnp.zeros((), jnp.float32),
+    debias=jnp.zeros((), jnp.float32),
+    windows=jnp.zeros((), jnp.int32),
+  )
 
 
 def square_norm(tree: Any) -> jax.Array:

@@ -246,9 +246,12 @@ def accumulate(
       decay (0 keeps the last window's) and keeps them in the state for
       :func:`ga_optax.noise_scale` to read. A micro-step adds one squared
       norm on its device; a closing call adds one scalar reduction. With
-      ``axis_name`` each device's gradient is a micro-gradient; with
-      ``unreduced_axes`` each device's partial sum is taken as one, of an
-      equal share of the micro-step's weight. Needs
+      ``axis_name`` each device's gradient is a micro-gradient of its own
+      weight (with ``check_vma=True``, where autodiff has already summed
+      the gradients over the devices, the micro-step's gradient is one, of
+      the micro-step's weight: pass the total over the devices there);
+      with ``unreduced_axes`` each device's partial sum is taken as one, of
+      an equal share of the micro-step's weight. Needs
       ``reduction="mean"``.
 
   Returns:

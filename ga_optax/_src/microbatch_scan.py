@@ -1,0 +1,307 @@
+"""One device's micro-batches: a ``lax.scan`` that sums their weighted gradients.
+
+The scan body (:meth:`Microbatching.add_microbatch`) evaluates the loss and
+its gradient on one micro-batch and adds them, weighted, into the carried
+:class:`Sums`; after the scan the sums become means once
+(:meth:`Microbatching.mean`). Only one micro-batch's activations are alive at
+a time.
+
+Gradients are taken of the floating (and complex) array leaves of the
+parameters; every other leaf (an Equinox model's activation functions, an
+integer counter) is held static, as ``equinox.filter_value_and_grad`` does
+(:class:`Trainable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ga_optax._src import batch_layout, dtypes, validation
+from ga_optax._src import noise_scale as noise_lib
+from ga_optax._src.batch_layout import BatchLayout
+from ga_optax._src.parallel import axes as axes_lib
+
+WeightFn = Callable[[Any], Any]
+
+
+class Trainable(NamedTuple):
+  """Parameters split into what is differentiated and what is held static.
+
+  Both trees have the parameters' structure, each with None where the other
+  has the leaf (``equinox.partition``'s convention), so that gradients come
+  out with the parameters' structure and None at every static leaf.
+
+  Attributes:
+    diff: the floating and complex array leaves.
+    static: every other leaf: functions, strings, integer or key arrays.
+  """
+
+  diff: Any
+  static: Any
+
+  @classmethod
+  def of(cls, params: Any) -> Trainable:
+    """``params`` split by :func:`validation.is_inexact_array`."""
+    return cls(
+      diff=jax.tree.map(
+        lambda leaf: leaf if validation.is_inexact_array(leaf) else None,
+        params,
+      ),
+      static=jax.tree.map(
+        lambda leaf: None if validation.is_inexact_array(leaf) else leaf,
+        params,
+      ),
+    )
+
+  def params(self, diff: Any) -> Any:
+    """The parameters with ``diff`` in place of the differentiated leaves."""
+    return jax.tree.map(
+      lambda trained, held: held if trained is None else trained,
+      diff,
+      self.static,
+      is_leaf=lambda node: node is None,
+    )
+
+
+class Inputs(NamedTuple):
+  """One call's arguments, its batch split by the batch's layout.
+
+  Attributes:
+    trainable: the parameters.
+    layout: where the batch's entries lie.
+    split: the batch leaves split into micro-batches (one device's share
+      inside a ``shard_map``).
+    whole: the batch leaves passed whole to every micro-batch.
+    args: extra positional arguments, for every micro-batch.
+    kwargs: extra keyword arguments, for every micro-batch.
+    rng: the key folded per micro-batch, or None.
+  """
+
+  trainable: Trainable
+  layout: BatchLayout
+  split: list[Any]
+  whole: list[Any]
+  args: tuple[Any, ...]
+  kwargs: dict[str, Any]
+  rng: Any
+
+  def shared(self) -> tuple[Any, ...]:
+    """What every device needs whole: all but the split batch leaves."""
+    return self.trainable, self.whole, self.args, self.kwargs, self.rng
+
+  def with_shared(self, shared: tuple[Any, ...], split: list[Any]) -> Inputs:
+    """These inputs with ``shared`` (as :meth:`shared` gives) and ``split``."""
+    trainable, whole, args, kwargs, rng = shared
+    return self._replace(
+      trainable=trainable,
+      split=split,
+      whole=whole,
+      args=args,
+      kwargs=kwargs,
+      rng=rng,
+    )
+
+
+class Sums(NamedTuple):
+  """Weighted sums over micro-batches, kept in the carry of the scan.
+
+  Attributes:
+    grads: ``sum(w_i * grad_i)``, a tree like the differentiated params.
+    value: ``sum(w_i * value_i)``.
+    weight: ``sum(w_i)``; NaN once a negative weight was seen.
+    square: with ``noise_scale``, ``sum(w_i |grad_i|^2)``; else None.
+    micro_batches: with ``noise_scale``, how many micro-batches had weight
+      > 0; else None.
+  """
+
+  grads: Any
+  value: jax.Array
+  weight: jax.Array
+  square: Any = None
+  micro_batches: Any = None
+
+
+class Microbatching(NamedTuple):
+  """How to split a batch and sum its micro-batches' values and gradients.
+
+  Attributes:
+    fun: the loss, ``fun(params, microbatch, *args, **kwargs)``.
+    num_microbatches: micro-batches per batch.
+    has_aux: the loss returns ``(value, aux)``.
+    weight_fn: ``microbatch -> scalar weight``, or None for weight 1.
+    accumulator_dtype: the floating dtype of the gradient sums.
+    remat: each micro-batch's loss runs under ``jax.checkpoint``.
+    checkpoint_policy: the ``jax.checkpoint`` policy with ``remat``.
+    noise_scale: also sum what the gradient noise scale needs.
+  """
+
+  fun: Callable[..., Any]
+  num_microbatches: int
+  has_aux: bool
+  weight_fn: WeightFn | None
+  accumulator_dtype: jnp.dtype
+  remat: bool
+  checkpoint_policy: Callable[..., bool] | None
+  noise_scale: bool = False
+
+  def zeros(self, diff: Any) -> Sums:
+    """Empty sums for the differentiated params ``diff``."""
+    return Sums(
+      # zeros_like keeps each parameter's sharding over other mesh axes.
+      grads=jax.tree.map(
+        lambda param: jnp.zeros_like(
+          param,
+          dtypes.sum_dtype(jnp.result_type(param), self.accumulator_dtype),
+        ),
+        diff,
+      ),
+      value=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
+      weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
+      square=jnp.zeros((), jnp.float32) if self.noise_scale else None,
+      micro_batches=jnp.zeros((), jnp.int32) if self.noise_scale else None,
+    )
+
+  def weight_of(self, microbatch: Any) -> jax.Array:
+    """The micro-batch's weight; a negative one becomes NaN.
+
+    A negative weight cannot be refused at trace time; NaN makes it poison
+    the result instead of giving a plausible wrong number.
+    """
+    weight_dtype = dtypes.weight_dtype(self.accumulator_dtype)
+    if self.weight_fn is None:
+      return jnp.ones((), weight_dtype)
+    weight = self.weight_fn(microbatch)
+    if jnp.shape(weight) != ():
+      raise ValueError(
+        "weight_fn must return a scalar per micro-batch (for example its"
+        f" number of real tokens), got shape {jnp.shape(weight)}."
+      )
+    dtype = jnp.result_type(weight)
+    if (
+      not (
+        jnp.issubdtype(dtype, jnp.integer)
+        or jnp.issubdtype(dtype, jnp.floating)
+      )
+      or dtype == jnp.bool_
+    ):
+      raise TypeError(
+        "weight_fn must return a real number (an integer or floating"
+        f" scalar such as a token count), got dtype {dtype}. A boolean"
+        " mask must be summed first."
+      )
+    weight = jnp.asarray(weight, weight_dtype)
+    return jnp.where(weight < 0, jnp.nan, weight)
+
+  def value_and_grad(
+    self,
+    trainable: Trainable,
+    microbatch: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+  ) -> tuple[Any, Any]:
+    """``fun``'s output on one micro-batch, and its gradient in ``diff``."""
+
+    def loss(diff: Any) -> Any:
+      return self.fun(trainable.params(diff), microbatch, *args, **kwargs)
+
+    if self.remat:
+      loss = jax.checkpoint(loss, policy=self.checkpoint_policy)
+    return jax.value_and_grad(loss, has_aux=self.has_aux)(trainable.diff)
+
+  def add_microbatch(
+    self,
+    sums: Sums,
+    trainable: Trainable,
+    microbatch: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+  ) -> tuple[Sums, Any]:
+    """Adds one micro-batch's weighted value and gradient to ``sums``."""
+    output, grads = self.value_and_grad(trainable, microbatch, args, kwargs)
+    value, aux = output if self.has_aux else (output, None)
+    weight = self.weight_of(microbatch)
+    # A weight-0 micro-batch may hold a 0 / 0 loss: select, not multiply.
+    has_weight = weight > 0
+
+    def add(total: jax.Array, term: jax.Array) -> jax.Array:
+      term = term.astype(total.dtype)
+      if self.weight_fn is None:
+        return total + term
+      weighted = weight.astype(total.dtype) * term
+      return total + jnp.where(has_weight, weighted, jnp.zeros((), total.dtype))
+
+    new_sums = Sums(
+      grads=jax.tree.map(add, sums.grads, grads),
+      value=add(sums.value, value),
+      weight=sums.weight + weight,
+    )
+    if self.noise_scale:
+      square = weight.astype(jnp.float32) * noise_lib.square_norm(grads)
+      new_sums = new_sums._replace(
+        square=sums.square + jnp.where(has_weight, square, 0.0),
+        micro_batches=sums.micro_batches + has_weight.astype(jnp.int32),
+      )
+    return new_sums, aux
+
+  def sums(
+    self, inputs: Inputs, varying_axes: axes_lib.Axes = ()
+  ) -> tuple[Sums, Any]:
+    """The weighted sums over the micro-batches of ``inputs``' batch.
+
+    ``varying_axes``: inside a ``jax.shard_map`` that checks varying axes,
+    the manual axes the gradients vary over; the carry is cast to vary over
+    them too, so that the scan keeps its type.
+    """
+    layout, trainable = inputs.layout, inputs.trainable
+    microbatches = batch_layout.split_microbatches(
+      inputs.split, layout.split_axes, self.num_microbatches
+    )
+    initial = axes_lib.cast_to_varying(self.zeros(trainable.diff), varying_axes)
+
+    def scan_body(sums: Sums, xs: tuple[jax.Array, Any]) -> tuple[Sums, Any]:
+      index, split = xs
+      microbatch = layout.rebuild(split, inputs.whole)
+      kwargs = dict(inputs.kwargs)
+      if inputs.rng is not None:
+        kwargs["rng"] = jax.random.fold_in(inputs.rng, index)
+      return self.add_microbatch(
+        sums, trainable, microbatch, inputs.args, kwargs
+      )
+
+    indices = jnp.arange(self.num_microbatches, dtype=jnp.int32)
+    return jax.lax.scan(scan_body, initial, (indices, microbatches))
+
+  def mean(self, sums: Sums, diff: Any) -> tuple[jax.Array, Any]:
+    """``(value, grads)``: the sums over their weight, grads in diff's dtypes.
+
+    All-zero weights (a batch of padding only) give zeros, not 0 / 0; a NaN
+    weight (a negative one was seen) gives NaN.
+    """
+    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)
+    grads = jax.tree.map(
+      lambda total, param: (total * scale.astype(total.dtype)).astype(
+        jnp.result_type(param)
+      ),
+      sums.grads,
+      diff,
+    )
+    return sums.value * scale, grads
+
+  def estimate(self, sums: Sums) -> noise_lib.NoiseScaleEstimate | None:
+    """The noise scale's estimates from sums over every micro-batch."""
+    if not self.noise_scale:
+      return None
+    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)
+    mean_square = (
+      noise_lib.square_norm(sums.grads) * scale.astype(jnp.float32) ** 2
+    )
+    return noise_lib.window_estimate(
+      sums.square,
+      sums.micro_batches,
+      sums.weight.astype(jnp.float32),
+      mean_square,
+    )

@@ -245,15 +245,6 @@ class Window:
     accumulator = residency.to_device_after(state.accumulator, grads)
     return jax.tree.map(add_grad, accumulator, grads)
 
-  def normalised(self, sums: Any, weight_sum: jax.Array) -> Any:
-    """The reduced window's mean, where its weight was not known before."""
-    if self.parallel.weights_are_global or self.reduction != "mean":
-      return sums
-    # The guard keeps a window without weight from computing 0 / 0; such a
-    # window does not step the inner optimizer anyway.
-    scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
-    return jax.tree.map(lambda total: total * scale.astype(total.dtype), sums)
-
 
 @dataclasses.dataclass
 class Closing:
@@ -327,6 +318,16 @@ class Closing:
       operands["zeros"] = optax.tree.zeros_like(self.updates_like)
     return operands
 
+  def normalised(self, sums: Any, weight_sum: jax.Array) -> Any:
+    """The reduced window's mean, where its weight was not known before."""
+    window = self.window
+    if window.parallel.weights_are_global or window.reduction != "mean":
+      return sums
+    # The guard keeps a window without weight from computing 0 / 0; such a
+    # window does not step the inner optimizer anyway.
+    scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
+    return jax.tree.map(lambda total: total * scale.astype(total.dtype), sums)
+
   def keep_open(
     self, operands: dict[str, Any]
   ) -> tuple[Any, Any, Any, jax.Array]:
@@ -346,7 +347,7 @@ class Closing:
     sums, total_weight = window.parallel.reduce(
       operands["accumulator"], weight_sum, operands["params"]
     )
-    sums = window.normalised(sums, total_weight)
+    sums = self.normalised(sums, total_weight)
     reduced = jax.tree.map(
       lambda total, grad: total.astype(grad.dtype), sums, self.grads
     )

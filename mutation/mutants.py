@@ -1,0 +1,544 @@
+"""The curated defects of the mutation check, and the tests that must see them.
+
+Each mutant is a realistic bug, written as exact edits of the source under
+``ga_optax/``: a snippet that must occur exactly once in its file, and its
+replacement. When the library is refactored, ``python mutation/run.py``
+stops on a snippet it cannot find; re-target the mutant at the new code (the
+defect stays the same), never drop it. ``tests`` are the pytest node ids (or
+files) that claim the guarantee the mutant breaks: only they run, so each
+mutant costs seconds, and each must make at least one of them fail.
+
+Guarantees (see ../shared/DESIGN.md, "The guarantees the tests must prove",
+and the contract's additions): equivalence with the large batch (mean,
+weights, flush, skipped micro-steps, schedules of k), k = 1 is the bare
+optimizer, cost (the optimizer runs only when a window closes, on every
+backend), data parallel (the global mean, collectives only where the window
+closes), dtypes, counters, the memory planner, the in-step micro-batching,
+host memory, and the docs that show all of these.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Edit(NamedTuple):
+  """Replace ``old`` (found exactly once) by ``new`` in ``path``."""
+
+  path: str
+  old: str
+  new: str
+
+
+class Mutant(NamedTuple):
+  """A defect, the guarantee it breaks, and the tests that must catch it."""
+
+  name: str
+  guarantee: str
+  defect: str
+  edits: tuple[Edit, ...]
+  tests: tuple[str, ...]
+
+
+WINDOW = "ga_optax/_src/window.py"
+OUTPUT = "ga_optax/_src/output.py"
+MICROBATCH = "ga_optax/_src/microbatch_scan.py"
+HLO = "ga_optax/_src/hlo.py"
+PLANNER = "ga_optax/_src/planner.py"
+TESTING = "ga_optax/testing.py"
+BATCHNORM = "ga_optax/_src/batchnorm.py"
+NOISE_SCALE = "ga_optax/_src/noise_scale.py"
+ELASTIC = "ga_optax/_src/elastic.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+  # Equivalence with the large batch.
+  Mutant(
+    name="sum_instead_of_mean",
+    guarantee="equivalence",
+    defect="the closing micro-step emits sum(w_i g_i), never divided by"
+    " the window's weight",
+    edits=(
+      Edit(
+        WINDOW,
+        "scale = jnp.where(steps, 1.0 / weight_sum, 1.0).astype(scale.dtype)",
+        "scale = jnp.where(steps, 1.0, 1.0).astype(scale.dtype)",
+      ),
+    ),
+    tests=(
+      "tests/test_equivalence.py::test_uniform_micro_batches_match_the_large_batch[sgd-4]",
+      "tests/test_dtypes.py::test_eagerly",
+      "tests/test_fused.py::test_weighted_windows_match_the_large_batch",
+      "tests/test_transformations.py::test_accumulate_matches_the_large_batch",
+      "tests/test_memory_kinds.py::test_host_memory_matches_the_large_batch",
+      "tests/test_fuzz.py::test_sgd_equals_the_large_batch_step",
+    ),
+  ),
+  Mutant(
+    name="weight_ignored",
+    guarantee="equivalence (weights)",
+    defect="weight= is dropped: every micro-step counts 1, an unweighted"
+    " mean of the micro-batches' gradients",
+    edits=(
+      Edit(
+        WINDOW,
+        "weight_sum = state.weight_sum + jnp.asarray(weight, self.weight_dtype)",
+        "weight_sum = state.weight_sum + jnp.asarray(1, self.weight_dtype)",
+      ),
+      Edit(
+        WINDOW,
+        "added = kept + _weighted(grad, weight, total.dtype)",
+        "added = kept + _weighted(grad, 1, total.dtype)",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py",
+      "tests/test_fused.py::test_weighted_windows_match_the_large_batch",
+    ),
+  ),
+  Mutant(
+    name="flush_normalised_as_full",
+    guarantee="equivalence (flush)",
+    defect="a flushed partial window is divided as if it held k micro-steps"
+    " of its mean weight (the 1/k bug)",
+    edits=(
+      Edit(
+        WINDOW,
+        "scale = jnp.where(steps, 1.0 / weight_sum, 1.0).astype(scale.dtype)",
+        "scale = jnp.where(\n"
+        "        steps,\n"
+        "        micro_step / (weight_sum * self.schedule(state.update_step)),\n"
+        "        1.0,\n"
+        "      ).astype(scale.dtype)",
+      ),
+    ),
+    tests=(
+      "tests/test_equivalence.py::test_partial_last_window_closed_by_flush",
+    ),
+  ),
+  Mutant(
+    name="skipped_weight_counted",
+    guarantee="equivalence (skipped non-finite micro-steps)",
+    defect="a non-finite micro-step dropped by skip_nonfinite still adds its"
+    " weight to the window's",
+    edits=(
+      Edit(
+        WINDOW,
+        "return Admitted(accepted, jnp.where(accepted, weight_sum, state.weight_sum))",
+        "return Admitted(accepted, weight_sum)",
+      ),
+    ),
+    tests=("tests/test_nonfinite.py",),
+  ),
+  Mutant(
+    name="no_accumulation",
+    guarantee="equivalence",
+    defect="each micro-step overwrites the accumulator instead of adding to"
+    " it: the window emits its last micro-batch's gradient",
+    edits=(
+      Edit(
+        WINDOW,
+        "kept = jnp.where(restarts, jnp.zeros_like(total), total)",
+        "kept = jnp.zeros_like(total)",
+      ),
+    ),
+    tests=(
+      "tests/test_accumulate.py",
+      "ga_optax/_src/transform.py",
+    ),
+  ),
+  Mutant(
+    name="empty_window_steps",
+    guarantee="equivalence (empty windows)",
+    defect="a window whose weights sum to 0 steps the optimizer on 0 / 0",
+    edits=(
+      Edit(
+        WINDOW,
+        "steps = closes & (admitted.weight_sum > 0)",
+        "steps = closes",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py",
+      "tests/test_fused.py::test_matches_accumulate_then_apply_updates",
+    ),
+  ),
+  Mutant(
+    name="window_closes_one_late",
+    guarantee="equivalence (every_k)",
+    defect="the window closes on micro-step k + 1, not k",
+    edits=(
+      Edit(
+        WINDOW,
+        "closes = (micro_step >= self.schedule(state.update_step)) | flush",
+        "closes = (micro_step > self.schedule(state.update_step)) | flush",
+      ),
+    ),
+    tests=("tests/test_accumulate.py",),
+  ),
+  Mutant(
+    name="fused_update_never_applied",
+    guarantee="equivalence (fused path)",
+    defect="accumulate_and_apply steps the optimizer but hands back the"
+    " params unchanged",
+    edits=(
+      Edit(
+        OUTPUT,
+        "    del carrier\n    return optax.apply_updates(params, updates)\n",
+        "    del carrier, updates\n    return params\n",
+      ),
+    ),
+    tests=(
+      "tests/test_dtypes.py::test_eagerly",
+      "tests/test_fused.py::test_weighted_windows_match_the_large_batch",
+    ),
+  ),
+  Mutant(
+    name="closing_updates_zeroed",
+    guarantee="equivalence",
+    defect="the call that closes a window emits zeros: the select after the"
+    " conditional never picks the updates",
+    edits=(
+      Edit(
+        OUTPUT,
+        "        stepped, carried.astype(like.dtype), jnp.zeros((), like.dtype)",
+        "        False, carried.astype(like.dtype), jnp.zeros((), like.dtype)",
+      ),
+    ),
+    tests=("tests/test_fuzz.py::test_sgd_equals_the_large_batch_step",),
+  ),
+  # Counters.
+  Mutant(
+    name="update_counter_counts_calls",
+    guarantee="counters",
+    defect="update_step (applied updates) advances on every call, as if it"
+    " counted micro-steps",
+    edits=(
+      Edit(
+        WINDOW,
+        "update_step=increment_if(state.update_step, stepped),",
+        "update_step=increment_if(state.update_step, jnp.asarray(True)),",
+      ),
+    ),
+    tests=(
+      "tests/test_counters.py",
+      "tests/test_docs_snippets.py::test_page_runs[README.md]",
+      "tests/test_docs_snippets.py::test_page_runs[docs/how-to/fused.md]",
+    ),
+  ),
+  # Cost: the optimizer runs only in the branch that closes the window.
+  Mutant(
+    name="conditional_lost_flag",
+    guarantee="cost (the window's conditional on every backend)",
+    defect="the open branch returns a False flag made inside it instead of"
+    " forwarding the predicate, so XLA:GPU may turn the conditional into"
+    " selects that run the optimizer on every micro-step",
+    edits=(
+      Edit(
+        WINDOW,
+        '      operands["not_stepped"],\n    )',
+        "      jnp.zeros((), jnp.bool_),\n    )",
+      ),
+    ),
+    tests=(
+      "tests/test_gpu_conditionals.py::test_one_device[adam]",
+      "tests/test_gpu_conditionals.py::test_one_device[fused_sgd]",
+    ),
+  ),
+  Mutant(
+    name="conditional_lost_zeros",
+    guarantee="cost (the window's conditional on every backend)",
+    defect="where no operand can carry the updates (an unreduced"
+    " accumulator), the open branch returns zero updates made inside it"
+    " instead of forwarding the zeros made outside",
+    edits=(
+      Edit(
+        WINDOW,
+        '      operands[self.carrier],\n      operands["inner_state"],\n',
+        "      optax.tree.zeros_like(self.updates_like)\n"
+        '      if self.carrier == "zeros"\n'
+        "      else operands[self.carrier],\n"
+        '      operands["inner_state"],\n',
+      ),
+    ),
+    tests=(
+      "tests/test_gpu_conditionals.py::test_plain_jit_on_a_mesh[unreduced]",
+      "tests/test_gpu_conditionals.py::test_plain_jit_on_a_mesh[zero1_rule]",
+    ),
+  ),
+  Mutant(
+    name="optimizer_runs_every_micro_step",
+    guarantee="cost (the optimizer is not evaluated on micro-steps)",
+    defect="both branches run on every micro-step and a select picks one,"
+    " as optax.MultiSteps does",
+    edits=(
+      Edit(
+        WINDOW,
+        "jax.lax.cond(\n      decision.steps,\n",
+        "(\n"
+        "      lambda pred, true_fn, false_fn, operands: jax.tree.map(\n"
+        "        lambda a, b: jnp.where(pred, a, b),\n"
+        "        true_fn(operands),\n"
+        "        false_fn(operands),\n"
+        "      )\n"
+        "    )(\n"
+        "      decision.steps,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_gpu_conditionals.py::test_one_device[adam]",
+      "tests/test_accumulate.py",
+    ),
+  ),
+  # Dtypes.
+  Mutant(
+    name="accumulator_dtype_ignored",
+    guarantee="dtypes",
+    defect="low-precision gradients are summed in their own dtype, not in"
+    " accumulator_dtype (float32)",
+    edits=(
+      Edit(
+        WINDOW,
+        "added = kept + _weighted(grad, weight, total.dtype)",
+        "added = (\n"
+        "        kept.astype(grad.dtype) + _weighted(grad, weight, grad.dtype)\n"
+        "      ).astype(total.dtype)",
+      ),
+    ),
+    tests=(
+      "tests/test_dtypes.py::test_the_window_sum_of_low_precision_gradients_is_kept_in_float32",
+      "tests/test_fuzz.py::test_low_precision_gradients_are_summed_in_float32",
+    ),
+  ),
+  Mutant(
+    name="state_dtypes_widened",
+    guarantee="dtypes",
+    defect="float32 gradients of bfloat16 params widen the optimizer's"
+    " state to float32 at the first window",
+    edits=(
+      Edit(
+        WINDOW,
+        "_with_dtypes_of(new_inner_state, inner_state)",
+        "new_inner_state",
+      ),
+    ),
+    tests=("tests/test_dtypes.py::test_eagerly",),
+  ),
+  # In-step micro-batching.
+  Mutant(
+    name="microbatch_sum_in_param_dtype",
+    guarantee="dtypes (in-step micro-batching)",
+    defect="microbatched_value_and_grad sums low-precision gradients in"
+    " their own dtype, not in float32",
+    edits=(
+      Edit(
+        MICROBATCH,
+        "      term = term.astype(total.dtype)\n"
+        "      if self.weight_fn is None:\n"
+        "        return total + term\n",
+        "      if self.weight_fn is None:\n"
+        "        return (total.astype(term.dtype) + term).astype(total.dtype)\n"
+        "      term = term.astype(total.dtype)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_dtypes.py::test_microbatched_gradients_of_low_precision_params_are_summed_in_float32",
+    ),
+  ),
+  Mutant(
+    name="microbatch_weight_ignored",
+    guarantee="equivalence (in-step micro-batching, weight_fn)",
+    defect="microbatched_value_and_grad adds each micro-batch's gradient"
+    " unweighted but divides by the sum of the weights",
+    edits=(
+      Edit(
+        MICROBATCH,
+        "weighted = weight.astype(total.dtype) * term",
+        "weighted = term",
+      ),
+    ),
+    tests=(
+      "tests/test_microbatch.py::test_token_weighted_loss_matches_large_batch",
+    ),
+  ),
+  Mutant(
+    name="microbatch_sum_instead_of_mean",
+    guarantee="equivalence (in-step micro-batching)",
+    defect="microbatched_value_and_grad returns the sums over micro-batches,"
+    " not their mean",
+    edits=(
+      Edit(
+        MICROBATCH,
+        "    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)\n"
+        "    grads = jax.tree.map(\n",
+        "    scale = jnp.ones_like(sums.weight)\n    grads = jax.tree.map(\n",
+      ),
+    ),
+    tests=(
+      "tests/test_microbatch.py::test_mean_loss_matches_large_batch",
+      "tests/test_docs_snippets.py::test_page_runs[docs/how-to/microbatching.md]",
+    ),
+  ),
+  Mutant(
+    name="batchnorm_between_not_rescaled",
+    guarantee="BatchNorm statistics once per effective batch",
+    defect="the variance between micro-batches is read off the stored"
+    " means without undoing their (1 - m) factor",
+    edits=(
+      Edit(
+        BATCHNORM,
+        "between = spread / (1.0 - momentum)",
+        "between = spread",
+      ),
+    ),
+    tests=("tests/test_batchnorm.py",),
+  ),
+  # Host memory.
+  Mutant(
+    name="accumulator_left_on_device",
+    guarantee="host memory (accumulator_memory_kind)",
+    defect="update brings the accumulator to the device to add, and does"
+    " not send it back to its memory kind",
+    edits=(
+      Edit(
+        WINDOW,
+        "      accumulator=self.accumulator_home.keep(\n"
+        '        output if closing.carrier == "accumulator" else accumulator\n'
+        "      ),\n",
+        '      accumulator=output if closing.carrier == "accumulator" else accumulator,\n',
+      ),
+    ),
+    tests=(
+      "tests/test_memory_kinds.py::test_every_update_keeps_the_state_there_and_the_numbers",
+    ),
+  ),
+  # The gradient noise scale.
+  Mutant(
+    name="noise_scale_not_debiased",
+    guarantee="gradient noise scale",
+    defect="the moving averages are read without dividing by"
+    " 1 - decay**windows",
+    edits=(
+      Edit(
+        NOISE_SCALE,
+        "  grad_sq = smoothed.grad_sq / smoothed.debias\n"
+        "  trace_sigma = smoothed.trace_sigma / smoothed.debias\n",
+        "  grad_sq = smoothed.grad_sq\n  trace_sigma = smoothed.trace_sigma\n",
+      ),
+    ),
+    tests=("tests/test_noise_scale.py::test_one_device_matches_numpy",),
+  ),
+  # Elasticity.
+  Mutant(
+    name="elastic_smallest_micro_batch",
+    guarantee="elastic plans",
+    defect="elastic_plan picks the smallest micro-batch that divides, not"
+    " the largest",
+    edits=(
+      Edit(
+        ELASTIC,
+        "micro_batch_size = dividing[-1]",
+        "micro_batch_size = dividing[0]",
+      ),
+    ),
+    tests=("tests/test_elastic.py",),
+  ),
+  # Data parallel.
+  Mutant(
+    name="axis_name_sum_not_mean",
+    guarantee="data parallel (axis_name)",
+    defect="with axis_name the window's sum over the devices is emitted"
+    " without being divided by its total weight",
+    edits=(
+      Edit(
+        WINDOW,
+        'reduction != "mean":\n      return sums\n',
+        'reduction == "mean":\n      return sums\n',
+      ),
+    ),
+    tests=(
+      "tests/test_transformations.py::test_pmap_over_two_devices_matches_the_large_batch",
+      "tests/test_shard_map.py::test_shard_map_matches_the_large_batch",
+    ),
+  ),
+  Mutant(
+    name="unreduced_all_reduce_every_micro_step",
+    guarantee="data parallel (one reduction per window, in its closing branch)",
+    defect="with unreduced_axes each micro-step's gradient is all-reduced"
+    " before it is added (the numbers are unchanged)",
+    edits=(
+      Edit(
+        WINDOW,
+        "    accumulator = residency.to_device_after(state.accumulator, grads)\n",
+        "    accumulator = residency.to_device_after(state.accumulator, grads)\n"
+        "    if self.parallel.unreduced_axes:\n"
+        "      from ga_optax._src.parallel import axes as axes_lib\n"
+        "\n"
+        "      grads = axes_lib.cast_to_unreduced(\n"
+        "        axes_lib.reduce_unreduced(grads, None),\n"
+        "        self.parallel.unreduced_axes,\n"
+        "      )\n",
+      ),
+    ),
+    tests=(
+      "tests/test_plain_jit_mesh.py::test_accumulate_unreduced_matches_the_large_batch",
+    ),
+  ),
+  # The memory planner.
+  Mutant(
+    name="planner_drops_temporaries",
+    guarantee="memory planner",
+    defect="the device bytes of a compiled micro-step leave out its"
+    " temporaries",
+    edits=(
+      Edit(
+        HLO,
+        "    - analysis.alias_size_in_bytes\n"
+        "    + analysis.temp_size_in_bytes\n",
+        "    - analysis.alias_size_in_bytes\n",
+      ),
+    ),
+    tests=("tests/test_planner.py",),
+  ),
+  Mutant(
+    name="planner_counts_arguments_only",
+    guarantee="memory planner",
+    defect="micro_step_bytes returns the bytes of the micro-step's"
+    " arguments alone",
+    edits=(
+      Edit(
+        PLANNER,
+        "  return hlo.device_bytes(compiled)\n",
+        "  return int(compiled.memory_analysis().argument_size_in_bytes)\n",
+      ),
+    ),
+    tests=("tests/test_planner.py",),
+  ),
+  # The HLO audits of ga_optax.testing.
+  Mutant(
+    name="async_collectives_unseen",
+    guarantee="data parallel (the audits that prove it)",
+    defect="the HLO audits do not count asynchronous collectives"
+    " (all-reduce-start and friends, what XLA:GPU prints)",
+    edits=(
+      Edit(HLO, '    "all-reduce-start",\n', ""),
+      Edit(HLO, '    "all-gather-start",\n', ""),
+      Edit(HLO, '    "collective-permute-start",\n', ""),
+    ),
+    tests=("tests/test_hlo.py",),
+  ),
+  Mutant(
+    name="testing_nan_within_tolerance",
+    guarantee="equivalence-testing helpers",
+    defect="max_relative_difference ignores a NaN on one side only",
+    edits=(
+      Edit(
+        TESTING,
+        "  if not (np.all(np.isfinite(actual)) and np.all(np.isfinite(expected))):\n"
+        '    return float("inf")\n',
+        "  finite = np.isfinite(actual) & np.isfinite(expected)\n"
+        "  actual, expected = actual[finite], expected[finite]\n",
+      ),
+    ),
+    tests=("tests/test_testing.py",),
+  ),
+)

@@ -42,7 +42,7 @@ from ga_optax._src.transform import (
   accumulate_and_apply,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
   "AccumulateState",

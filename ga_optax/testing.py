@@ -266,45 +266,45 @@ def _rows(batch: Any, start: int, end: int) -> Any:
 
 
 def _microbatch_bounds(
-  batch_size: int, microbatch_sizes: int | Sequence[int]
+  batch_size: int, micro_batch_sizes: int | Sequence[int]
 ) -> list[tuple[int, int]]:
-  sizes = _microbatch_sizes(batch_size, microbatch_sizes)
+  sizes = _micro_batch_sizes(batch_size, micro_batch_sizes)
   ends = np.cumsum(sizes)
   return [
     (int(end - size), int(end)) for size, end in zip(sizes, ends, strict=True)
   ]
 
 
-def _microbatch_sizes(
-  batch_size: int, microbatch_sizes: int | Sequence[int]
+def _micro_batch_sizes(
+  batch_size: int, micro_batch_sizes: int | Sequence[int]
 ) -> list[int]:
-  if validation.is_int(microbatch_sizes):
-    count = int(microbatch_sizes)  # type: ignore[arg-type]
+  if validation.is_int(micro_batch_sizes):
+    count = int(micro_batch_sizes)  # type: ignore[arg-type]
     if count < 1 or batch_size % count:
       raise ValueError(
-        "microbatch_sizes as an int is the number of equal micro-batches"
+        "micro_batch_sizes as an int is the number of equal micro-batches"
         f" and must divide the batch size {batch_size}, got"
-        f" {microbatch_sizes!r}."
+        f" {micro_batch_sizes!r}."
       )
     return [batch_size // count] * count
-  if isinstance(microbatch_sizes, (str, bytes)) or not isinstance(
-    microbatch_sizes, Iterable
+  if isinstance(micro_batch_sizes, (str, bytes)) or not isinstance(
+    micro_batch_sizes, Iterable
   ):
     raise TypeError(
-      "microbatch_sizes must be the number of equal micro-batches (an int)"
+      "micro_batch_sizes must be the number of equal micro-batches (an int)"
       " or a sequence of their sizes (ints), got"
-      f" {microbatch_sizes!r} of type {type(microbatch_sizes).__name__}."
+      f" {micro_batch_sizes!r} of type {type(micro_batch_sizes).__name__}."
     )
-  sizes = list(microbatch_sizes)
+  sizes = list(micro_batch_sizes)
   for size in sizes:
     if not validation.is_int(size):
       raise TypeError(
-        "microbatch_sizes entries must be ints (micro-batch sizes), got"
+        "micro_batch_sizes entries must be ints (micro-batch sizes), got"
         f" {size!r} of type {type(size).__name__} in {sizes!r}."
       )
   if any(size < 1 for size in sizes) or sum(sizes) != batch_size:
     raise ValueError(
-      "microbatch_sizes must be positive and add up to the batch size"
+      "micro_batch_sizes must be positive and add up to the batch size"
       f" {batch_size}, got {sizes!r}."
     )
   return [int(size) for size in sizes]
@@ -315,7 +315,7 @@ def compare_with_large_batch(
   optimizer: optax.GradientTransformation,
   params: optax.Params,
   batches: Iterable[Any],
-  microbatch_sizes: int | Sequence[int],
+  micro_batch_sizes: int | Sequence[int],
   *,
   weight_fn: Callable[[Any], Any] | None = None,
   reduction: str = "mean",
@@ -347,7 +347,7 @@ def compare_with_large_batch(
     params: initial parameters, shared by both runs.
     batches: large batches, pytrees whose leaves share a leading axis; each
       is one window.
-    microbatch_sizes: the number of equal micro-batches (a Python or NumPy
+    micro_batch_sizes: the number of equal micro-batches (a Python or NumPy
       int), or a sequence of their sizes (the same split for every batch).
     weight_fn: ``weight_fn(microbatch) -> scalar`` passed as ``weight=``.
       Defaults to the micro-batch's item count for ``"mean"`` and to 1 for
@@ -366,10 +366,10 @@ def compare_with_large_batch(
     An :class:`EquivalenceResult`.
 
   Raises:
-    TypeError: ``microbatch_sizes`` is neither an int nor a sequence of ints
+    TypeError: ``micro_batch_sizes`` is neither an int nor a sequence of ints
       (a bool is neither), or ``exclude`` is not callable.
     ValueError: ``batches`` is empty or its batches differ in size, or
-      ``microbatch_sizes`` does not split the batch size, or ``exclude``
+      ``micro_batch_sizes`` does not split the batch size, or ``exclude``
       matches no parameter leaf, or every one.
 
   Example:
@@ -393,7 +393,7 @@ def compare_with_large_batch(
         "batches must all have the same size, got"
         f" {_leading_size(batch)} and {batch_size}."
       )
-  bounds = _microbatch_bounds(batch_size, microbatch_sizes)
+  bounds = _microbatch_bounds(batch_size, micro_batch_sizes)
   # Checked before training, so that a stale filter fails at once.
   excluded = _excluded_paths(
     [
@@ -449,7 +449,7 @@ def assert_equivalent_to_large_batch(
   optimizer: optax.GradientTransformation,
   params: optax.Params,
   batches: Iterable[Any],
-  microbatch_sizes: int | Sequence[int],
+  micro_batch_sizes: int | Sequence[int],
   *,
   rtol: float = 1e-5,
   weight_fn: Callable[[Any], Any] | None = None,
@@ -472,7 +472,7 @@ def assert_equivalent_to_large_batch(
     optimizer: see :func:`compare_with_large_batch`.
     params: see :func:`compare_with_large_batch`.
     batches: see :func:`compare_with_large_batch`.
-    microbatch_sizes: see :func:`compare_with_large_batch`.
+    micro_batch_sizes: see :func:`compare_with_large_batch`.
     rtol: the largest acceptable ``max_relative_difference``.
     weight_fn: see :func:`compare_with_large_batch`.
     reduction: see :func:`compare_with_large_batch`.
@@ -504,7 +504,7 @@ def assert_equivalent_to_large_batch(
     optimizer,
     params,
     batches,
-    microbatch_sizes,
+    micro_batch_sizes,
     weight_fn=weight_fn,
     reduction=reduction,
     use_jit=use_jit,

@@ -447,7 +447,7 @@ def test_the_plan_grows_when_the_state_leaves_the_device():
       params,
       batch,
       budget,
-      global_batch=32,
+      global_batch_size=32,
       optimizer=optax.adam(1e-3),
       **kinds,
     )
@@ -458,8 +458,8 @@ def test_the_plan_grows_when_the_state_leaves_the_device():
   ]
   if jax.default_backend() != "cpu":
     pytest.skip("the device copies of the state depend on the backend")
-  assert plans[0].microbatch_size == 4
-  assert plans[1].microbatch_size > plans[0].microbatch_size
+  assert plans[0].micro_batch_size == 4
+  assert plans[1].micro_batch_size > plans[0].micro_batch_size
   assert plans[1].compiled_bytes <= budget
   assert plans[1].next_size is None or plans[1].next_size_bytes > budget
 

@@ -2,7 +2,7 @@
 
 Every claim of a plan is re-derived here from ``micro_step_bytes``: the
 chosen size fits the budget, the next candidate size up does not, and
-``every_k`` reaches the global batch. Those checks compare the planner with
+``num_microbatches`` reaches the global batch. Those checks compare the planner with
 itself; the last test computes ``micro_step_bytes`` by hand, from the
 ``memory_analysis()`` of the micro-step compiled here.
 """
@@ -54,41 +54,47 @@ def test_plan_is_the_largest_size_within_budget():
   budget = (_bytes(40) + _bytes(41)) // 2 if _bytes(41) > _bytes(40) else None
   budget = budget or _bytes(40)
   plan = ga_optax.plan_microbatch(
-    _loss_fn, _params(), _batch(), budget, max_microbatch=4096
+    _loss_fn, _params(), _batch(), budget, max_micro_batch_size=4096
   )
-  assert plan.every_k is None
-  assert plan.compiled_bytes == _bytes(plan.microbatch_size) <= budget
-  assert plan.next_size == plan.microbatch_size + 1
+  assert plan.num_microbatches is None
+  assert plan.compiled_bytes == _bytes(plan.micro_batch_size) <= budget
+  assert plan.next_size == plan.micro_batch_size + 1
   assert plan.next_size_bytes == _bytes(plan.next_size) > budget
-  assert plan.microbatch_size >= 40
+  assert plan.micro_batch_size >= 40
 
 
 def test_plan_reaches_the_global_batch_with_a_divisor():
-  global_batch = 96
+  global_batch_size = 96
   budget = _bytes(20)
   plan = ga_optax.plan_microbatch(
-    _loss_fn, _params(), _batch(), budget, global_batch=global_batch
+    _loss_fn, _params(), _batch(), budget, global_batch_size=global_batch_size
   )
-  assert global_batch % plan.microbatch_size == 0
-  assert plan.every_k * plan.microbatch_size == global_batch
-  assert plan.compiled_bytes == _bytes(plan.microbatch_size) <= budget
-  divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
-  following = divisors[divisors.index(plan.microbatch_size) + 1]
+  assert global_batch_size % plan.micro_batch_size == 0
+  assert plan.num_microbatches * plan.micro_batch_size == global_batch_size
+  assert plan.compiled_bytes == _bytes(plan.micro_batch_size) <= budget
+  divisors = [
+    d for d in range(1, global_batch_size + 1) if global_batch_size % d == 0
+  ]
+  following = divisors[divisors.index(plan.micro_batch_size) + 1]
   assert plan.next_size == following
   assert _bytes(following) > budget
 
 
 def test_whole_batch_fits_means_k_equal_one():
   plan = ga_optax.plan_microbatch(
-    _loss_fn, _params(), _batch(), _bytes(16) + 1, global_batch=16
+    _loss_fn, _params(), _batch(), _bytes(16) + 1, global_batch_size=16
   )
-  assert (plan.microbatch_size, plan.every_k, plan.next_size) == (16, 1, None)
+  assert (plan.micro_batch_size, plan.num_microbatches, plan.next_size) == (
+    16,
+    1,
+    None,
+  )
 
 
 def test_optimizer_state_counts_against_the_budget():
   budget = _bytes(64, with_optimizer=False)
   plain = ga_optax.plan_microbatch(
-    _loss_fn, _params(), _batch(), budget, global_batch=64
+    _loss_fn, _params(), _batch(), budget, global_batch_size=64
   )
   with_adam_budget = _bytes(64, with_optimizer=True)
   with_adam = ga_optax.plan_microbatch(
@@ -96,11 +102,11 @@ def test_optimizer_state_counts_against_the_budget():
     _params(),
     _batch(),
     with_adam_budget,
-    global_batch=64,
+    global_batch_size=64,
     optimizer=optax.adam(1e-3),
   )
-  assert plain.microbatch_size == 64
-  assert with_adam.microbatch_size == 64
+  assert plain.micro_batch_size == 64
+  assert with_adam.micro_batch_size == 64
   assert with_adam.compiled_bytes > plain.compiled_bytes
 
 
@@ -137,13 +143,13 @@ def test_bad_budgets_raise(budget, error, match):
 
 def test_bad_batches_and_sizes_raise():
   budget = _bytes(8)
-  with pytest.raises(ValueError, match="global_batch"):
+  with pytest.raises(ValueError, match="global_batch_size"):
     ga_optax.plan_microbatch(
-      _loss_fn, _params(), _batch(), budget, global_batch=0
+      _loss_fn, _params(), _batch(), budget, global_batch_size=0
     )
-  with pytest.raises(TypeError, match="global_batch"):
+  with pytest.raises(TypeError, match="global_batch_size"):
     ga_optax.plan_microbatch(
-      _loss_fn, _params(), _batch(), budget, global_batch=8.0
+      _loss_fn, _params(), _batch(), budget, global_batch_size=8.0
     )
   with pytest.raises(ValueError, match="leading"):
     ga_optax.plan_microbatch(
@@ -154,7 +160,7 @@ def test_bad_batches_and_sizes_raise():
     )
   with pytest.raises(ValueError, match="example_batch"):
     ga_optax.plan_microbatch(_loss_fn, _params(), {"x": jnp.ones(())}, budget)
-  with pytest.raises(ValueError, match="microbatch_size"):
+  with pytest.raises(ValueError, match="micro_batch_size"):
     ga_optax.micro_step_bytes(_loss_fn, _params(), _batch(), 0)
 
 

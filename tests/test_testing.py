@@ -122,7 +122,7 @@ def test_sum_reduction_uses_unit_weights():
 
 @pytest.mark.parametrize("sizes", [5, 0, [4, 4], [6, 0, 6], [13, -1]])
 def test_bad_microbatch_sizes(sizes):
-  with pytest.raises(ValueError, match="microbatch_sizes"):
+  with pytest.raises(ValueError, match="micro_batch_sizes"):
     testing.compare_with_large_batch(
       loss_fn, optax.sgd(0.1), PARAMS, BATCHES, sizes
     )
@@ -145,7 +145,7 @@ def test_numpy_microbatch_sizes(sizes):
   [True, np.bool_(True), 4.0, "12", [True, 11], [6.0, 6.0], [6, None]],
 )
 def test_microbatch_sizes_of_other_types(sizes):
-  with pytest.raises(TypeError, match="microbatch_sizes"):
+  with pytest.raises(TypeError, match="micro_batch_sizes"):
     testing.compare_with_large_batch(
       loss_fn, optax.sgd(0.1), PARAMS, BATCHES, sizes
     )

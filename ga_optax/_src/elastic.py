@@ -63,8 +63,8 @@ def elastic_plan(
 
   To plan within a memory budget, pass ``max_micro_batch_size``: the
   largest micro-batch one device can hold, for example
-  ``ga_optax.plan_microbatch(...).microbatch_size`` (planned without a
-  ``global_batch``, so that it is the largest size that fits, not the
+  ``ga_optax.plan_microbatch(...).micro_batch_size`` (planned without a
+  ``global_batch_size``, so that it is the largest size that fits, not the
   largest divisor of some batch). Candidates above it are left out. A
   size limit, rather than a byte budget or a ``fits(size)`` callable, is
   enough because the bytes grow with the micro-batch size (the memory

@@ -4,7 +4,7 @@ Instead of trying batch sizes until one runs out of memory, the planner
 compiles the accumulation micro-step for candidate micro-batch sizes on
 abstract inputs (nothing is allocated or run) and reads the bytes the
 executable needs from ``compiled.memory_analysis()``. A binary search over
-sizes finds the largest that fits the budget; ``every_k`` follows from the
+sizes finds the largest that fits the budget; ``num_microbatches`` follows from the
 global batch wanted.
 """
 
@@ -25,20 +25,20 @@ class MicrobatchPlan(NamedTuple):
   """What :func:`plan_microbatch` found.
 
   Attributes:
-    microbatch_size: the largest micro-batch size that fits the budget (a
-      divisor of ``global_batch`` when one was given).
-    every_k: micro-steps per window, ``global_batch // microbatch_size``;
-      None when no ``global_batch`` was given.
+    micro_batch_size: the largest micro-batch size that fits the budget (a
+      divisor of ``global_batch_size`` when one was given).
+    num_microbatches: micro-steps per window, ``global_batch_size // micro_batch_size``;
+      None when no ``global_batch_size`` was given.
     compiled_bytes: device bytes the micro-step needs at that size
       (see :func:`micro_step_bytes`).
     next_size: the next candidate size up, which does not fit; None when
-      ``microbatch_size`` is already the largest candidate.
+      ``micro_batch_size`` is already the largest candidate.
     next_size_bytes: device bytes the micro-step needs at ``next_size``.
     memory_budget_bytes: the budget planned for.
   """
 
-  microbatch_size: int
-  every_k: int | None
+  micro_batch_size: int
+  num_microbatches: int | None
   compiled_bytes: int
   next_size: int | None
   next_size_bytes: int | None
@@ -78,7 +78,7 @@ def micro_step_bytes(
   loss_fn: LossFn,
   params: optax.Params,
   example_batch: Any,
-  microbatch_size: int,
+  micro_batch_size: int,
   *,
   optimizer: optax.GradientTransformation | None = None,
   has_aux: bool = False,
@@ -103,7 +103,7 @@ def micro_step_bytes(
     params: the params, arrays or ``jax.ShapeDtypeStruct``.
     example_batch: a batch pytree whose leaves share a leading batch axis
       (any size); only shapes and dtypes are used.
-    microbatch_size: the leading-axis size to compile for.
+    micro_batch_size: the leading-axis size to compile for.
     optimizer: the optimizer that ``accumulate`` wraps, or None.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     accumulator_memory_kind: the memory kind the accumulator is kept in, as
@@ -129,8 +129,8 @@ def micro_step_bytes(
     >>> small < large
     True
   """
-  microbatch_size = validation.check_positive_int(
-    microbatch_size, "microbatch_size"
+  micro_batch_size = validation.check_positive_int(
+    micro_batch_size, "micro_batch_size"
   )
   accumulator_kind = residency.check_memory_kind(
     accumulator_memory_kind, "accumulator_memory_kind"
@@ -142,7 +142,7 @@ def micro_step_bytes(
       " leave inner_state_memory_kind at None."
     )
   abstract_params = _abstract(params)
-  batch = _batch_of_size(example_batch, microbatch_size)
+  batch = _batch_of_size(example_batch, micro_batch_size)
   grad_fn = jax.grad(loss_fn, has_aux=has_aux)
 
   def gradient(params, batch):
@@ -202,9 +202,9 @@ def plan_microbatch(
   example_batch: Any,
   memory_budget_bytes: int,
   *,
-  global_batch: int | None = None,
+  global_batch_size: int | None = None,
   optimizer: optax.GradientTransformation | None = None,
-  max_microbatch: int = 65536,
+  max_micro_batch_size: int = 65536,
   has_aux: bool = False,
   accumulator_memory_kind: str | None = None,
   inner_state_memory_kind: str | None = None,
@@ -213,9 +213,9 @@ def plan_microbatch(
 
   Compiles (never runs) the micro-step of :func:`micro_step_bytes` for
   candidate sizes and binary-searches the largest whose bytes are at most
-  ``memory_budget_bytes``: every divisor of ``global_batch`` when it is
-  given (so that ``every_k * microbatch_size == global_batch``), else every
-  size up to ``max_microbatch``. The search assumes that bytes grow with the
+  ``memory_budget_bytes``: every divisor of ``global_batch_size`` when it is
+  given (so that ``num_microbatches * micro_batch_size == global_batch_size``), else every
+  size up to ``max_micro_batch_size``. The search assumes that bytes grow with the
   micro-batch size, as activations do; the plan reports the next size up,
   which does not fit, so the boundary can be checked.
 
@@ -231,12 +231,12 @@ def plan_microbatch(
     example_batch: a batch pytree whose leaves share a leading batch axis;
       only shapes and dtypes are used.
     memory_budget_bytes: the device bytes one micro-step may use.
-    global_batch: the effective batch wanted; the plan's ``every_k`` then
+    global_batch_size: the effective batch wanted; the plan's ``num_microbatches`` then
       reaches it exactly.
     optimizer: the optimizer that ``ga_optax.accumulate`` will wrap (its
       state counts against the budget), or None for gradient accumulation
       alone.
-    max_microbatch: the largest size tried when ``global_batch`` is None.
+    max_micro_batch_size: the largest size tried when ``global_batch_size`` is None.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     accumulator_memory_kind: the memory kind ``ga_optax.accumulate`` will
       keep the accumulator in (``"pinned_host"``, say); None for device
@@ -259,8 +259,8 @@ def plan_microbatch(
     >>> params, batch = jnp.ones((256, 256)), {"x": jnp.ones((1, 256))}
     >>> budget = ga_optax.micro_step_bytes(loss_fn, params, batch, 32)
     >>> plan = ga_optax.plan_microbatch(
-    ...     loss_fn, params, batch, budget, global_batch=256)
-    >>> plan.microbatch_size * plan.every_k
+    ...     loss_fn, params, batch, budget, global_batch_size=256)
+    >>> plan.micro_batch_size * plan.num_microbatches
     256
     >>> plan.compiled_bytes <= budget < plan.next_size_bytes
     True
@@ -268,14 +268,18 @@ def plan_microbatch(
   budget = validation.check_positive_int(
     memory_budget_bytes, "memory_budget_bytes"
   )
-  if global_batch is not None:
-    global_batch = validation.check_positive_int(global_batch, "global_batch")
+  if global_batch_size is not None:
+    global_batch_size = validation.check_positive_int(
+      global_batch_size, "global_batch_size"
+    )
     candidates = [
-      size for size in range(1, global_batch + 1) if global_batch % size == 0
+      size
+      for size in range(1, global_batch_size + 1)
+      if global_batch_size % size == 0
     ]
   else:
-    max_microbatch = validation.check_positive_int(
-      max_microbatch, "max_microbatch"
+    max_micro_batch_size = validation.check_positive_int(
+      max_micro_batch_size, "max_micro_batch_size"
     )
     candidates = None
   _batch_of_size(example_batch, 1)  # Checks the batch before compiling.
@@ -296,7 +300,7 @@ def plan_microbatch(
       )
     return measured[size]
 
-  sizes = candidates or _SizesUpTo(max_microbatch)
+  sizes = candidates or _SizesUpTo(max_micro_batch_size)
   if bytes_at(sizes[0]) > budget:
     raise ValueError(
       f"memory_budget_bytes={budget} is below what a micro-batch of"
@@ -318,8 +322,10 @@ def plan_microbatch(
   size = sizes[low]
   next_size = sizes[high] if high < len(sizes) else None
   return MicrobatchPlan(
-    microbatch_size=size,
-    every_k=None if global_batch is None else global_batch // size,
+    micro_batch_size=size,
+    num_microbatches=None
+    if global_batch_size is None
+    else global_batch_size // size,
     compiled_bytes=bytes_at(size),
     next_size=next_size,
     next_size_bytes=None if next_size is None else bytes_at(next_size),

@@ -141,7 +141,7 @@ def make_variants(
   optax_microbatched = optax.microbatching.microbatch(
     jax.value_and_grad(loss_fn),
     argnums=1,
-    micro_batch_size=micro_batch_rows,
+    microbatch_size=micro_batch_rows,
     accumulator=optax.microbatching.AccumulationType.MEAN,
   )
   mapped_tx = ga_optax.accumulate(optimizer, k, axis_name="data")

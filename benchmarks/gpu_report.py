@@ -685,7 +685,7 @@ def in_step_contenders(
     microbatching.microbatch(
       jax.value_and_grad(loss_fn),
       argnums=1,
-      micro_batch_size=rows // k,
+      microbatch_size=rows // k,
       accumulator=microbatching.AccumulationType.MEAN,
     )
   )

@@ -484,9 +484,10 @@ def assert_equivalent_to_large_batch(
 
   Raises:
     AssertionError: the runs differ by more than ``rtol``, or their
-      parameters differ in where they hold NaN or infinite values; the
-      message names the parameter leaf that differs most (of those not
-      excluded) and how many leaves were excluded.
+      parameters differ in where they hold NaN or infinite values (the
+      message names the parameter leaf that differs most, of those not
+      excluded, and how many leaves were excluded), or the large-batch run
+      itself diverged to NaN or infinity, where agreeing proves nothing.
     TypeError: see :func:`compare_with_large_batch`.
     ValueError: see :func:`compare_with_large_batch`.
 
@@ -512,6 +513,20 @@ def assert_equivalent_to_large_batch(
   )
   if not result.max_relative_difference <= rtol:
     raise AssertionError(_describe_difference(result, rtol))
+  diverged = [
+    path
+    for path, _, large_batch in _paired_leaves(
+      result.accumulated_params, result.large_batch_params
+    )
+    if not np.all(np.isfinite(large_batch))
+  ]
+  if diverged:
+    # Two runs that both diverge agree on their NaNs, and prove nothing.
+    raise AssertionError(
+      "the large-batch run itself diverged: its params hold NaN or infinite"
+      f" values at {diverged[:3]} ({len(diverged)} leaves), so agreeing with"
+      " it proves nothing; lower the learning rate or check the loss."
+    )
   return result
 
 

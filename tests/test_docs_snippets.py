@@ -66,10 +66,7 @@ WRONG_TODAY: dict[tuple[str, int], str] = {}
 
 # Pages that fail as a reader would run them, page -> why; expected to fail
 # (strictly: a page that runs again fails the test, to remove its entry).
-BROKEN_TODAY = {
-  "docs/compiled-window.md": "uses ga_optax.testing after `import ga_optax`"
-  " alone, which does not import that submodule (AttributeError)",
-}
+BROKEN_TODAY: dict[str, str] = {}
 
 # Public submodules that `import ga_optax` does not import. Other tests of
 # this process have imported them; a reader's fresh interpreter has not, so

@@ -7,7 +7,6 @@ reference for the sieve in ``best_global_batch_size``.
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import chex
@@ -20,8 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ga_optax
-
-PAGE = pathlib.Path(__file__).parent.parent / "docs" / "how-to" / "elastic.md"
 
 
 def brute_valid_counts(global_batch, sizes, min_devices, max_devices):
@@ -382,13 +379,6 @@ def test_prefer_larger_may_be_a_numpy_bool():
     )
     == 2
   )
-
-
-def test_the_how_to_page_runs():
-  blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.DOTALL)
-  assert len(blocks) >= 3
-  for index, block in enumerate(blocks):
-    exec(compile(block, f"{PAGE.name} block {index}", "exec"), {})
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,7 @@ counts NaN equal to NaN.
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
-import subprocess
-import sys
 
 import chex
 import hypothesis
@@ -287,68 +284,3 @@ def test_bad_arguments_raise_like_accumulate():
     fused.apply(_params(), {"w": jnp.ones((3, 4))}, state)
   with pytest.raises(ValueError, match="weight"):
     fused.apply(_params(), _grads(0), state, weight=-1.0)
-
-
-_DATA_PARALLEL_SCRIPT = """
-import jax, jax.numpy as jnp, numpy as np, optax, chex
-from jax.sharding import NamedSharding, PartitionSpec as P
-import ga_optax
-
-mesh = jax.make_mesh((4,), ("data",))
-sharding = NamedSharding(mesh, P("data"))
-
-
-def loss(params, x, y):
-  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
-
-
-fused = ga_optax.accumulate_and_apply(optax.adam(1e-2), 3, axis_name="data")
-
-
-def step(params, state, x, y, flush):
-  grads = jax.grad(loss)(params, x, y)
-  return fused.apply(params, grads, state, flush=flush)
-
-
-sharded = jax.jit(jax.shard_map(
-    step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data"), P()),
-    out_specs=(P(), P()), check_vma=False))
-tx = ga_optax.accumulate(optax.adam(1e-2), 3)
-rng = np.random.default_rng(0)
-params = {"w": jnp.ones((3, 2)), "b": jnp.zeros((2,))}
-state = fused.init(params)
-expected_params, expected_state = params, tx.init(params)
-for micro_step in range(7):
-  x = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
-  y = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
-  flush = jnp.asarray(micro_step == 4)
-  params, state = sharded(
-      params, state, jax.device_put(x, sharding), jax.device_put(y, sharding),
-      flush)
-  updates, expected_state = tx.update(
-      jax.grad(loss)(expected_params, x, y), expected_state, expected_params,
-      flush=flush)
-  expected_params = optax.apply_updates(expected_params, updates)
-  chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-6)
-assert int(state.update_step) == int(expected_state.update_step) == 2
-print("data-parallel fused path matches")
-"""
-
-
-def test_data_parallel_matches_one_device():
-  # Simulated devices must be requested before jax starts: a fresh process.
-  environment = {
-    **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-    "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *sys.path]),
-  }
-  result = subprocess.run(
-    [sys.executable, "-c", _DATA_PARALLEL_SCRIPT],
-    env=environment,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "data-parallel fused path matches" in result.stdout

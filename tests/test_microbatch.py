@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import pathlib
-import re
 
 import chex
 import hypothesis
@@ -458,14 +456,6 @@ def test_rng_differs_across_devices_of_the_axis():
     ]
   )
   chex.assert_trees_all_equal(masks, expected)
-
-
-def test_the_how_to_page_runs():
-  page = pathlib.Path(__file__).parent.parent / "docs/how-to/microbatching.md"
-  blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
-  assert len(blocks) >= 4
-  for index, block in enumerate(blocks):
-    exec(compile(block, f"{page.name} block {index}", "exec"), {})
 
 
 # A recurrent loss whose scan carry starts from a constant, under plain jit

@@ -344,3 +344,15 @@ def test_bad_exclude(exclude, error, message):
     testing.compare_with_large_batch(
       loss_fn, optax.sgd(0.1), PARAMS, BATCHES, 3, exclude=exclude
     )
+
+
+def test_a_large_batch_run_that_diverges_is_no_reference():
+  def loss_fn(w, batch):
+    return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+  batch = {"x": jnp.arange(16.0).reshape(8, 2), "y": jnp.ones(8)}
+  # Both runs overflow to the same infinities and NaNs, and agree.
+  with pytest.raises(AssertionError, match="diverged"):
+    testing.assert_equivalent_to_large_batch(
+      loss_fn, optax.sgd(1e30), jnp.ones(2), [batch] * 4, 4
+    )

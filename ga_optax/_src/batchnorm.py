@@ -76,12 +76,12 @@ def combine_batch_stats(stacked_stats: Any, momentum: float) -> Any:
 
   Example:
     >>> import jax.numpy as jnp, ga_optax
-    >>> # Two micro-batches, means 1 and 3, variances 1 and 1, from r = 0, 1.
-    >>> stacked = {"bn": {"mean": jnp.array([[0.1], [0.3]]),
+    >>> # Two micro-batches, means 1 and 5, variances 1 and 1, from r = 0, 1.
+    >>> stacked = {"bn": {"mean": jnp.array([[0.1], [0.5]]),
     ...                   "var": jnp.array([[1.0], [1.0]])}}
     >>> layer = ga_optax.combine_batch_stats(stacked, momentum=0.9)["bn"]
     >>> layer["mean"], layer["var"]
-    (Array([0.2], dtype=float32), Array([1.1], dtype=float32))
+    (Array([0.3], dtype=float32), Array([1.4], dtype=float32))
   """
   if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
     raise TypeError(

@@ -213,8 +213,9 @@ def smooth_noise_scale(
     ...     grad_sq=jnp.float32(4.0), trace_sigma=jnp.float32(2.0),
     ...     measured=jnp.bool_(True))
     >>> averages = ga_optax.smooth_noise_scale(None, estimate, decay=0.9)
-    >>> float(ga_optax.noise_scale(averages).b_simple)
-    0.5
+    >>> read = ga_optax.noise_scale(averages)
+    >>> float(read.grad_sq), float(read.trace_sigma), float(read.b_simple)
+    (4.0, 2.0, 0.5)
   """
   checked = check_decay(decay)
   if checked is None:

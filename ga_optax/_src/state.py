@@ -208,7 +208,7 @@ def noise_scale(state: Any) -> NoiseScale:
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
-    >>> tx = ga_optax.accumulate(optax.sgd(0.0), 2, noise_scale_decay=0.0)
+    >>> tx = ga_optax.accumulate(optax.sgd(0.0), 2, noise_scale_decay=0.5)
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)
     >>> for grad in ([1.0, 1.0], [3.0, 1.0]):

@@ -49,6 +49,10 @@ TESTING = "ga_optax/testing.py"
 BATCHNORM = "ga_optax/_src/batchnorm.py"
 NOISE_SCALE = "ga_optax/_src/noise_scale.py"
 ELASTIC = "ga_optax/_src/elastic.py"
+COLLECTIVE = "ga_optax/_src/parallel/collective.py"
+UNREDUCED = "ga_optax/_src/parallel/unreduced.py"
+PARTIAL_SUMS = "ga_optax/_src/parallel/partial_sums.py"
+ZERO = "ga_optax/_src/parallel/zero.py"
 
 MUTANTS: tuple[Mutant, ...] = (
   # Equivalence with the large batch.
@@ -426,6 +430,72 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
     ),
     tests=("tests/test_noise_scale.py::test_one_device_matches_numpy",),
+  ),
+  Mutant(
+    name="noise_scale_one_device_only",
+    guarantee="gradient noise scale (every device's micro-gradients)",
+    defect="inside shard_map the window's sum of w |g|^2 and K are not"
+    " summed over the devices",
+    edits=(
+      Edit(
+        COLLECTIVE,
+        "    square_sum, micro_gradients = jax.lax.psum(\n"
+        "      (square_sum, micro_gradients), self.axes\n"
+        "    )\n",
+        "",
+      ),
+    ),
+    tests=(
+      "tests/test_noise_scale.py::test_shard_map_counts_every_device_micro_gradient",
+    ),
+  ),
+  Mutant(
+    name="noise_scale_partial_sums_unweighted",
+    guarantee="gradient noise scale (plain jit)",
+    defect="under unreduced_axes a device's partial sum is taken as a"
+    " micro-gradient without rescaling it by the device count",
+    edits=(
+      Edit(
+        UNREDUCED,
+        "weight * devices * square",
+        "weight / devices * square",
+      ),
+    ),
+    tests=(
+      "tests/test_noise_scale.py::test_unreduced_partial_sums_are_micro_gradients_of_equal_weight",
+    ),
+  ),
+  Mutant(
+    name="partial_sums_drop_host_memory",
+    guarantee="host memory (with the partial-sum helpers)",
+    defect="unstack_partial_sums and split_total leave the accumulator in"
+    " device memory though the state keeps it in host memory",
+    edits=(
+      Edit(
+        PARTIAL_SUMS,
+        "  return _in_kind_of(axes_lib.sum_to_unreduced(stacked, twin, axes), twin)\n",
+        "  return axes_lib.sum_to_unreduced(stacked, twin, axes)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_intersections.py::test_partial_sums_keep_the_accumulator_in_host_memory",
+    ),
+  ),
+  Mutant(
+    name="zero_spec_tree_ignored_for_state",
+    guarantee="data parallel (ZeRO-1 placement)",
+    defect="a spec tree's specs never reach the optimizer state: every"
+    " moment follows the placement rule instead of its parameter's spec",
+    edits=(
+      Edit(
+        ZERO,
+        "        if spec is not None and shape == leaf.shape:\n",
+        "        if spec is not None and shape == leaf.shape and False:\n",
+      ),
+    ),
+    tests=(
+      "tests/test_intersections.py::test_a_spec_tree_places_each_moment_with_its_own_parameter",
+    ),
   ),
   # Elasticity.
   Mutant(

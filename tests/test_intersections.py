@@ -5,11 +5,15 @@ crash where ``skip_nonfinite`` met ``unreduced_axes``, partial-sum helpers
 that dropped the accumulator's memory kind, ``inner_state_axes`` spec trees
 that only Adam-like states fitted, optimizers closing over arrays made under
 the mesh, and a loop audit that counted a window's closing collective once
-per micro-step. tests/test_combinations.py holds every combination to the
-large batch; these pin the specific failures down.
+per micro-step; and a step that weighed micro-steps by their tokens while
+the devices within them weighed alike, silently inexact, now warns.
+tests/test_combinations.py holds every combination to the large batch;
+these pin the specific failures down.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -264,3 +268,30 @@ def test_muon_with_whole_matrices_reduces_like_one_all_reduce():
   assert by_rule > parameter_bytes  # the limit the docs state
   assert total <= 1.1 * parameter_bytes, (total, parameter_bytes)
   assert kept_whole < by_rule
+
+
+@pytest.mark.parametrize("weight_fn", [None, tokens], ids=["alike", "counted"])
+@pytest.mark.parametrize("weighted_update", [True, False])
+def test_token_weights_without_per_device_counts_warn(
+  weight_fn, weighted_update
+):
+  """A weighted micro-step whose devices were weighed alike is inexact: warn."""
+  windows = make_windows((2,), DEVICES, 2)
+  with jax.set_mesh(mesh()):
+    params = jax.device_put(init_params(), P())
+    tx = ga_optax.accumulate(optax.sgd(0.3), 2, unreduced_axes="data")
+    value_and_grad = ga_optax.unreduced_value_and_grad(
+      token_mean_loss, weight_fn=weight_fn
+    )
+
+    def step(params, state, batch):
+      _, grads = value_and_grad(params, batch)
+      weight = tokens(batch) if weighted_update else 1
+      return tx.update(grads, state, params, weight=weight)
+
+    batch = jax.device_put(windows[0][0], P("data"))
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      jax.jit(step).lower(params, tx.init(params), batch)
+  alike = [w for w in caught if "weight_fn" in str(w.message)]
+  assert bool(alike) == (weight_fn is None and weighted_update), caught

@@ -31,6 +31,7 @@ from ga_optax._src.microbatch_scan import (
   WeightFn,
 )
 from ga_optax._src.parallel import axes as axes_lib
+from ga_optax._src.parallel import unreduced
 
 
 def _check_options(
@@ -323,7 +324,11 @@ def unreduced_value_and_grad(
       device's entries (for example its number of real tokens); the
       devices' gradients are combined in proportion (one more scalar
       all-reduce). By default all devices weigh the same, which is exact
-      for a mean loss (every device holds as many entries).
+      for a mean over rows (every device holds as many) but not for a
+      mean over each device's real tokens: with token weights, give the
+      count here and as ``weight=`` to ``update`` (a step that passes
+      ``update`` a weight while its gradients come from here without
+      ``weight_fn`` warns).
     in_axes: an int axis or None per leaf of ``batch`` (a pytree prefix of
       it), as in :func:`microbatched_value_and_grad`; default 0.
     accumulator_dtype: floating dtype in which each device's weighted
@@ -376,6 +381,8 @@ def unreduced_value_and_grad(
     value, grads, aux, _ = per_device_sums(
       microbatching, axes, inputs, unreduced=True
     )
+    if weight_fn is None:
+      unreduced.mark_devices_weighed_alike(grads)
     return ((value, aux), grads) if has_aux else (value, grads)
 
   return value_and_grad_fn

@@ -6,7 +6,8 @@ params). :func:`resolve` turns the arguments into a
 :class:`~ga_optax._src.window.Window`, choosing each strategy once: where the
 window lives across devices (:func:`ga_optax._src.parallel.resolve`), where
 the accumulator and the optimizer state are kept
-(:class:`~ga_optax._src.residency.Residency`), and the output.
+(:class:`~ga_optax._src.residency.Residency`), the output, and whether the
+gradient noise scale is measured.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ counts and with what weight, :meth:`Window.decide` whether the window closes,
 operands back untouched, or closes it: reduce over the devices, normalise,
 step the wrapped optimizer once.
 
-Three choices made once from the arguments are strategies the window calls
+Four choices made once from the arguments are strategies the window calls
 without asking which kind it holds: where the window lives across devices
 (:mod:`ga_optax._src.parallel`), where the state is kept between calls
-(:mod:`ga_optax._src.residency`) and what a call returns
-(:mod:`ga_optax._src.output`).
+(:mod:`ga_optax._src.residency`), what a call returns
+(:mod:`ga_optax._src.output`), and whether the gradient noise scale is
+measured (:mod:`ga_optax._src.noise_scale`).
 
 How buffers flow decides the cost (see docs/benchmarks.md): the gradient is
 added into the accumulator outside any conditional, in place, and the first

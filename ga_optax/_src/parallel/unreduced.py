@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
+import weakref
 from typing import Any, Protocol
 
 import jax
@@ -102,9 +104,28 @@ class Unreduced:
     self.state.check_mesh()
 
   def check_update(self, grads: Any, weight: Any) -> None:
-    """Checks the mesh (the gradients' types are checked with the tree)."""
-    del grads, weight
+    """Checks the mesh (the gradients' types are checked with the tree).
+
+    Warns when this micro-step has a weight of its own while its gradients
+    were combined over the devices with equal weights in the same traced
+    step: the window then weighs micro-steps by their tokens but the
+    devices within each alike, which is inexact for padded tokens.
+    """
     self.check_init()
+    trace = _trace_of(grads)
+    weighted = not (isinstance(weight, (int, float)) and weight == 1)
+    if weighted and trace is not None and trace in _DEVICES_WEIGHED_ALIKE:
+      warnings.warn(
+        "accumulate(unreduced_axes=...) got a weight for this micro-step,"
+        " but its gradients come from ga_optax.unreduced_value_and_grad"
+        " without weight_fn, which weighs every device's rows alike. That"
+        " is exact only when every device holds as many items (a mean over"
+        " rows); for a mean over each device's real tokens, pass the same"
+        " count as weight_fn=... there too (see docs/how-to/"
+        "token-weighting.md, On several devices).",
+        UserWarning,
+        stacklevel=2,
+      )
 
   def init_accumulator(self, zeros: Any) -> Any:
     return axes_lib.cast_to_unreduced(zeros, self.unreduced_axes)
@@ -210,6 +231,26 @@ class Unreduced:
       micro_gradients,
       total_weight,
     )
+
+
+# The traced steps in which unreduced_value_and_grad weighed devices alike.
+_DEVICES_WEIGHED_ALIKE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _trace_of(tree: Any) -> Any:
+  """The trace the first traced leaf of ``tree`` belongs to, or None."""
+  for leaf in jax.tree.leaves(tree):
+    trace = getattr(leaf, "_trace", None)
+    if trace is not None:
+      return trace
+  return None
+
+
+def mark_devices_weighed_alike(grads: Any) -> None:
+  """Records that ``grads`` weigh every device's rows alike (no weight_fn)."""
+  trace = _trace_of(grads)
+  if trace is not None:
+    _DEVICES_WEIGHED_ALIKE.add(trace)
 
 
 def _explicit_axes() -> axes_lib.Axes:

@@ -231,12 +231,8 @@ def forwarding_branches(jaxpr: Any) -> list[bool]:
             for branch in equation.params["branches"]
           )
         )
-      for value in equation.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-          if isinstance(
-            sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)
-          ):
-            visit(getattr(sub, "jaxpr", sub))
+      for sub in jax.extend.core.jaxprs_in_params(equation.params):
+        visit(sub)
 
   visit(getattr(jaxpr, "jaxpr", jaxpr))
   return found

@@ -473,7 +473,9 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         PARTIAL_SUMS,
-        "  return _in_kind_of(axes_lib.sum_to_unreduced(stacked, twin, axes), twin)\n",
+        "  return residency.like_kinds(\n"
+        "    axes_lib.sum_to_unreduced(stacked, twin, axes), twin\n"
+        "  )\n",
         "  return axes_lib.sum_to_unreduced(stacked, twin, axes)\n",
       ),
     ),

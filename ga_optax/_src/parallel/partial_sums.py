@@ -81,7 +81,7 @@ def stack_partial_sums(tree: Any) -> Any:
       out_specs=_stacked_spec(plain, axes),
       check_vma=False,
     )(residency.to_device(leaf))
-    return residency.put(stacked, residency.kind_of(leaf))
+    return residency.like_kinds(stacked, leaf)
 
   return jax.tree.map(stack, tree)
 
@@ -142,7 +142,7 @@ def consolidate(tree: Any, axis_name: Any = None) -> Any:
   if axis_name is None:
     return jax.tree.map(
       lambda leaf: (
-        _in_kind_of(
+        residency.like_kinds(
           jax.reshard(residency.to_device(leaf), axes_lib.plain_spec(leaf)),
           leaf,
         )
@@ -158,7 +158,9 @@ def consolidate(tree: Any, axis_name: Any = None) -> Any:
       (residency.to_device(state.accumulator), _window_sums(state)), axes
     )
     return _with_window_sums(
-      state._replace(accumulator=_in_kind_of(accumulator, state.accumulator)),
+      state._replace(
+        accumulator=residency.like_kinds(accumulator, state.accumulator)
+      ),
       sums,
     )
 
@@ -207,7 +209,9 @@ def split_total(tree: Any, like: Any = None, axis_name: Any = None) -> Any:
       (residency.to_device(state.accumulator), _window_sums(state)),
     )
     return _with_window_sums(
-      state._replace(accumulator=_in_kind_of(accumulator, state.accumulator)),
+      state._replace(
+        accumulator=residency.like_kinds(accumulator, state.accumulator)
+      ),
       sums,
     )
 
@@ -251,11 +255,6 @@ def _untracked_axes(axis_name: Any, caller: str) -> axes_lib.Axes:
   return axes
 
 
-def _in_kind_of(tree: Any, like: Any) -> Any:
-  """``tree`` in the memory kinds of ``like``'s leaves (computed on the device)."""
-  return residency.like_kinds(tree, like)
-
-
 def _placed_unreduced(stacked: jax.Array, twin: Any) -> jax.Array:
   """Stacked partial sums (S entries) as a leaf unreduced like ``twin``.
 
@@ -275,7 +274,9 @@ def _placed_unreduced(stacked: jax.Array, twin: Any) -> jax.Array:
   stacked = jax.reshard(
     stacked, _stacked_spec(PartitionSpec(*spec.partitions), axes)
   )
-  return _in_kind_of(axes_lib.sum_to_unreduced(stacked, twin, axes), twin)
+  return residency.like_kinds(
+    axes_lib.sum_to_unreduced(stacked, twin, axes), twin
+  )
 
 
 def _map_states(fn: Any, tree: Any) -> Any:

@@ -242,6 +242,56 @@ def test_flax_models(library):
   assert_finite_and_close(result, expected)
 
 
+def test_nnx_optimizer_holds_an_unreduced_accumulator():
+  """nnx.Optimizer around accumulate(unreduced_axes=...): the large batch."""
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.hidden = nnx.Linear(IN, 16, rngs=rngs)
+      self.norm = nnx.LayerNorm(16, rngs=rngs)
+      self.out = nnx.Linear(16, OUT, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.norm(self.hidden(x))))
+
+  graphdef, initial = nnx.split(Model(nnx.Rngs(0)))
+
+  def loss(params, batch):
+    predictions = nnx.merge(graphdef, params)(batch["x"])
+    errors = jnp.mean((predictions - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(errors * batch["mask"]) / jnp.maximum(tokens(batch), 1.0)
+
+  windows = make_windows(LENGTHS, DEVICES, ROWS, seed=12)
+  # One device, one SGD step per window on the window's token mean.
+  expected = jax.device_get(initial)
+  sgd_state = SGD.init(expected)
+  window_grad = jax.jit(jax.grad(loss))
+  for window in windows:
+    grads = window_grad(expected, whole(window))
+    updates, sgd_state = SGD.update(grads, sgd_state, expected)
+    expected = optax.apply_updates(expected, updates)
+
+  grad_fn = ga_optax.unreduced_value_and_grad(loss, weight_fn=tokens)
+  with jax.set_mesh(data_mesh(DEVICES)):
+    model = Model(nnx.Rngs(0))  # made under the mesh: replicated
+    optimizer = nnx.Optimizer(
+      model, ga_optax.accumulate(SGD, K, unreduced_axes="data"), wrt=nnx.Param
+    )
+
+    @nnx.jit
+    def train_step(model, optimizer, batch, flush):
+      _, params = nnx.split(model)
+      _, grads = grad_fn(params, batch)  # unreduced over "data"
+      optimizer.update(model, grads, weight=tokens(batch), flush=flush)
+
+    for batch, flush in micro_steps(windows, K):
+      batch = jax.device_put(batch, P("data"))
+      train_step(model, optimizer, batch, jnp.bool_(flush))
+  assert int(ga_optax.applied_updates(optimizer.opt_state)) == len(LENGTHS)
+  assert_finite_and_close(nnx.state(model, nnx.Param), expected)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply"])
 @pytest.mark.parametrize("layout", ["data", "data x model"])
 def test_accumulate_unreduced_matches_the_large_batch(layout, fused):

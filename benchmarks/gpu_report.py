@@ -122,7 +122,7 @@ import ga_optax  # noqa: E402
 from benchmarks import run as run_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
 from ga_optax import testing  # noqa: E402
-from ga_optax._src import hlo  # noqa: E402
+from ga_optax._src import device_memory  # noqa: E402
 
 MIB = 2**20
 LEARNING_RATE = 1e-4
@@ -851,7 +851,7 @@ class MemoryProbe:
         _batch(self.model.width, rows, abstract=True),
       ).compile(compiler_options=MEMORY_COMPILER_OPTIONS)
       self._compiled[key] = {
-        "device_bytes": hlo.device_bytes(compiled),
+        "device_bytes": device_memory.device_bytes(compiled),
         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
       }
     return self._compiled[key]

@@ -44,6 +44,7 @@ WINDOW = "ga_optax/_src/window.py"
 OUTPUT = "ga_optax/_src/output.py"
 MICROBATCH = "ga_optax/_src/microbatch_scan.py"
 HLO = "ga_optax/_src/hlo.py"
+DEVICE_MEMORY = "ga_optax/_src/device_memory.py"
 PLANNER = "ga_optax/_src/planner.py"
 TESTING = "ga_optax/testing.py"
 BATCHNORM = "ga_optax/_src/batchnorm.py"
@@ -563,7 +564,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " temporaries",
     edits=(
       Edit(
-        HLO,
+        DEVICE_MEMORY,
         "    - analysis.alias_size_in_bytes\n"
         "    + analysis.temp_size_in_bytes\n",
         "    - analysis.alias_size_in_bytes\n",
@@ -579,7 +580,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         PLANNER,
-        "  return hlo.device_bytes(compiled)\n",
+        "  return device_memory.device_bytes(compiled)\n",
         "  return int(compiled.memory_analysis().argument_size_in_bytes)\n",
       ),
     ),

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax._src import hlo, residency
+from ga_optax._src import device_memory, residency
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HOST = "pinned_host"
@@ -470,7 +470,7 @@ def test_device_bytes_is_the_whole_analysis_when_nothing_is_on_the_host():
     jax.jit(jax.grad(_loss_fn), donate_argnums=0).lower(params, batch).compile()
   )
   analysis = compiled.memory_analysis()
-  assert hlo.device_bytes(compiled) == (
+  assert device_memory.device_bytes(compiled) == (
     analysis.argument_size_in_bytes
     + analysis.output_size_in_bytes
     - analysis.alias_size_in_bytes

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from ga_optax._src import hlo, residency, transform, validation
+from ga_optax._src import device_memory, residency, transform, validation
 
 LossFn = Callable[..., Any]
 
@@ -193,7 +193,7 @@ def micro_step_bytes(
     .lower(abstract_params, state, batch)
     .compile()
   )
-  return hlo.device_bytes(compiled)
+  return device_memory.device_bytes(compiled)
 
 
 def plan_microbatch(

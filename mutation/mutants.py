@@ -46,7 +46,7 @@ MICROBATCH = "ga_optax/_src/microbatch_scan.py"
 HLO = "ga_optax/_src/hlo.py"
 DEVICE_MEMORY = "ga_optax/_src/device_memory.py"
 PLANNER = "ga_optax/_src/planner.py"
-TESTING = "ga_optax/testing.py"
+TREE_DIFFERENCE = "ga_optax/_src/tree_difference.py"
 BATCHNORM = "ga_optax/_src/batchnorm.py"
 NOISE_SCALE = "ga_optax/_src/noise_scale.py"
 ELASTIC = "ga_optax/_src/elastic.py"
@@ -605,7 +605,7 @@ MUTANTS: tuple[Mutant, ...] = (
     defect="max_relative_difference ignores a NaN on one side only",
     edits=(
       Edit(
-        TESTING,
+        TREE_DIFFERENCE,
         "  if not (np.all(np.isfinite(actual)) and np.all(np.isfinite(expected))):\n"
         '    return float("inf")\n',
         "  finite = np.isfinite(actual) & np.isfinite(expected)\n"

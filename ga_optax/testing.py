@@ -42,12 +42,14 @@ from ga_optax._src.hlo import (
   Collective,
   HloInstruction,
   HloModule,
-  WindowCollectives,
   collectives_in_hlo,
-  dot_shapes,
-  loop_collectives,
   parse_hlo,
   reachable,
+)
+from ga_optax._src.hlo_audits import (
+  WindowCollectives,
+  dot_shapes,
+  loop_collectives,
   window_collectives,
 )
 from ga_optax._src.transform import accumulate

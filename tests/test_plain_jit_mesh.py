@@ -184,6 +184,28 @@ def test_microbatched_options():
     assert not np.array_equal(first[1]["w"], other[1]["w"])
 
 
+def masked_squared_error(predictions: jax.Array, batch: Any) -> jax.Array:
+  """The squared error's mean over the batch's real rows."""
+  errors = jnp.mean((predictions - batch["y"]) ** 2, axis=-1)
+  return jnp.sum(errors * batch["mask"]) / jnp.maximum(tokens(batch), 1.0)
+
+
+def nnx_mlp(hidden: int) -> Any:
+  """A Flax NNX Linear -> LayerNorm -> tanh -> Linear: biases and a scale."""
+  from flax import nnx
+
+  class Mlp(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.linear = nnx.Linear(IN, hidden, rngs=rngs)
+      self.norm = nnx.LayerNorm(hidden, rngs=rngs)
+      self.out = nnx.Linear(hidden, OUT, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.norm(self.linear(x))))
+
+  return Mlp(nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("library", ["nnx", "linen"])
 def test_flax_models(library):
   """Flax nnx Linear + LayerNorm and Linen Dense, Explicit data axis."""
@@ -193,25 +215,12 @@ def test_flax_models(library):
   (window,) = make_windows((1,), DEVICES, 8, seed=5)
   batch = window[0]
 
-  def squared_error(predictions, batch):
-    errors = jnp.mean((predictions - batch["y"]) ** 2, axis=-1)
-    return jnp.sum(errors * batch["mask"]) / jnp.maximum(tokens(batch), 1)
-
   if library == "nnx":
-
-    class NnxModel(nnx.Module):
-      def __init__(self, rngs: nnx.Rngs):
-        self.linear = nnx.Linear(IN, hidden, rngs=rngs)
-        self.norm = nnx.LayerNorm(hidden, rngs=rngs)
-        self.out = nnx.Linear(hidden, OUT, rngs=rngs)
-
-      def __call__(self, x):
-        return self.out(jnp.tanh(self.norm(self.linear(x))))
-
-    graphdef, params = nnx.split(NnxModel(nnx.Rngs(0)))
+    graphdef, params = nnx.split(nnx_mlp(hidden))
 
     def loss(state, batch):
-      return squared_error(nnx.merge(graphdef, state)(batch["x"]), batch)
+      predictions = nnx.merge(graphdef, state)(batch["x"])
+      return masked_squared_error(predictions, batch)
 
   else:
 
@@ -225,7 +234,7 @@ def test_flax_models(library):
     params = model.init(jax.random.key(1), batch["x"][:1])
 
     def loss(variables, batch):
-      return squared_error(model.apply(variables, batch["x"]), batch)
+      return masked_squared_error(model.apply(variables, batch["x"]), batch)
 
   expected = jax.value_and_grad(loss)(params, batch)
   with jax.set_mesh(LAYOUTS["data"].mesh(AxisType.Explicit)):
@@ -246,21 +255,11 @@ def test_nnx_optimizer_holds_an_unreduced_accumulator():
   """nnx.Optimizer around accumulate(unreduced_axes=...): the large batch."""
   from flax import nnx
 
-  class Model(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-      self.hidden = nnx.Linear(IN, 16, rngs=rngs)
-      self.norm = nnx.LayerNorm(16, rngs=rngs)
-      self.out = nnx.Linear(16, OUT, rngs=rngs)
-
-    def __call__(self, x):
-      return self.out(jnp.tanh(self.norm(self.hidden(x))))
-
-  graphdef, initial = nnx.split(Model(nnx.Rngs(0)))
+  graphdef, initial = nnx.split(nnx_mlp(16))
 
   def loss(params, batch):
     predictions = nnx.merge(graphdef, params)(batch["x"])
-    errors = jnp.mean((predictions - batch["y"]) ** 2, axis=-1)
-    return jnp.sum(errors * batch["mask"]) / jnp.maximum(tokens(batch), 1.0)
+    return masked_squared_error(predictions, batch)
 
   windows = make_windows(LENGTHS, DEVICES, ROWS, seed=12)
   # One device, one SGD step per window on the window's token mean.
@@ -274,7 +273,7 @@ def test_nnx_optimizer_holds_an_unreduced_accumulator():
 
   grad_fn = ga_optax.unreduced_value_and_grad(loss, weight_fn=tokens)
   with jax.set_mesh(data_mesh(DEVICES)):
-    model = Model(nnx.Rngs(0))  # made under the mesh: replicated
+    model = nnx_mlp(16)  # made under the mesh: replicated
     optimizer = nnx.Optimizer(
       model, ga_optax.accumulate(SGD, K, unreduced_axes="data"), wrt=nnx.Param
     )

@@ -94,7 +94,9 @@ class EquivalenceResult(NamedTuple):
       ``max|accumulated - large_batch| / max(max|large_batch|, tiny)``;
       ``inf`` when the non-finite values of a leaf differ (see
       :func:`max_relative_difference`).
-    large_batch_params: parameters after one optimizer step per large batch.
+    large_batch_params: parameters after one optimizer step per large batch
+      (for an NNX model, its ``nnx.Param`` state: ``nnx.update(model,
+      result.large_batch_params)`` loads it).
     accumulated_params: parameters after accumulating the same batches.
     excluded: the paths of the leaves ``exclude`` left out of
       ``max_relative_difference``, in tree order; empty by default.
@@ -107,7 +109,16 @@ class EquivalenceResult(NamedTuple):
 
 
 def _leading_size(batch: Any) -> int:
-  sizes = {jnp.shape(leaf)[0] for leaf in jax.tree.leaves(batch)}
+  sizes = {
+    jnp.shape(leaf)[0] for leaf in jax.tree.leaves(batch) if jnp.ndim(leaf)
+  }
+  if not sizes:
+    raise ValueError(
+      "batches: a batch must hold at least one leaf with a leading (batch)"
+      " axis to split into micro-batches; got only scalars, which every"
+      f" micro-batch shares: {batch!r:.200}. Give the items their own"
+      " leading axis, shape (batch_size, ...)."
+    )
   if len(sizes) != 1:
     raise ValueError(
       "every leaf of a batch must share one leading (batch) axis, got"
@@ -117,7 +128,32 @@ def _leading_size(batch: Any) -> int:
 
 
 def _rows(batch: Any, start: int, end: int) -> Any:
-  return jax.tree.map(lambda leaf: leaf[start:end], batch)
+  # A scalar has no items to split: every micro-batch shares it, as a leaf
+  # with in_axes=None does in microbatched_value_and_grad.
+  return jax.tree.map(
+    lambda leaf: leaf[start:end] if jnp.ndim(leaf) else leaf, batch
+  )
+
+
+def _trained_part(loss_fn: LossFn, params: Any) -> tuple[LossFn, optax.Params]:
+  """The pytree both runs train, and ``loss_fn`` as a function of it.
+
+  A Flax NNX model is split as NNX users split it: its ``nnx.Param`` state
+  is trained, and the loss rebuilds the model around it; the rest (RNG
+  streams, batch statistics) goes unchanged to every call. Anything else
+  is trained as it is.
+  """
+  # Flax is optional: a model can only be an NNX one if NNX is imported.
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None or not isinstance(params, nnx.Module):
+    return loss_fn, params
+  graphdef, trained, rest = nnx.split(params, nnx.Param, ...)
+
+  def trained_loss(trained: Any, batch: Any) -> jax.Array:
+    # copy=True: the model's Variables must belong to the gradient's trace.
+    return loss_fn(nnx.merge(graphdef, trained, rest, copy=True), batch)
+
+  return trained_loss, trained
 
 
 def _microbatch_bounds(
@@ -197,11 +233,17 @@ def compare_with_large_batch(
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, the mean (or, with
-      ``reduction="sum"``, the sum) of the batch's per-item losses.
+      ``reduction="sum"``, the sum) of the batch's per-item losses; for an
+      NNX model, ``loss_fn(model, batch)``.
     optimizer: the optax transformation to compare.
-    params: initial parameters, shared by both runs.
+    params: initial parameters, shared by both runs; or a Flax NNX model
+      (an ``nnx.Module``), whose ``nnx.Param`` state both runs train, the
+      loss getting the model rebuilt around it with ``nnx.merge`` (its
+      other state, RNG streams and batch statistics, goes unchanged to
+      every call; the model passed in is not modified).
     batches: large batches, pytrees whose leaves share a leading axis; each
-      is one window.
+      is one window. A scalar leaf (a loss scale, a temperature) has no
+      items to split: every micro-batch gets it whole.
     micro_batch_sizes: the number of equal micro-batches (a Python or NumPy
       int), or a sequence of their sizes (the same split for every batch).
     weight_fn: ``weight_fn(microbatch) -> scalar`` passed as ``weight=``.
@@ -223,9 +265,9 @@ def compare_with_large_batch(
   Raises:
     TypeError: ``micro_batch_sizes`` is neither an int nor a sequence of ints
       (a bool is neither), or ``exclude`` is not callable.
-    ValueError: ``batches`` is empty or its batches differ in size, or
-      ``micro_batch_sizes`` does not split the batch size, or ``exclude``
-      matches no parameter leaf, or every one.
+    ValueError: ``batches`` is empty, or a batch holds only scalars, or its
+      batches differ in size, or ``micro_batch_sizes`` does not split the
+      batch size, or ``exclude`` matches no parameter leaf, or every one.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -237,10 +279,22 @@ def compare_with_large_batch(
     ...     loss_fn, optax.adam(0.1), jnp.zeros(2), [batch, batch], [1, 2, 3])
     >>> result.max_relative_difference < 1e-5
     True
+
+    A Flax NNX model goes in as it is:
+
+    >>> from flax import nnx
+    >>> def model_loss(model, batch):
+    ...   return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
+    >>> result = compare_with_large_batch(
+    ...     model_loss, optax.sgd(0.1), nnx.Linear(2, 1, rngs=nnx.Rngs(0)),
+    ...     [batch, batch], 3)
+    >>> result.max_relative_difference < 1e-5
+    True
   """
   batches = list(batches)
   if not batches:
     raise ValueError("batches must hold at least one large batch, got none.")
+  loss_fn, params = _trained_part(loss_fn, params)
   batch_size = _leading_size(batches[0])
   for batch in batches:
     if _leading_size(batch) != batch_size:

@@ -22,6 +22,7 @@ import builtins
 import collections
 import decimal
 import importlib
+import importlib.metadata
 import inspect
 import io
 import json
@@ -32,8 +33,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import tomllib
 from typing import Any, NamedTuple
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -476,3 +479,193 @@ def test_the_hidden_submodules_are_not_imported_with_the_package():
   ).stdout
   for name in NOT_IMPORTED_WITH_THE_PACKAGE:
     assert f"'ga_optax.{name}'" not in imported, name
+
+
+# What a reader installs is what the pages use.
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _normalized(name: str) -> str:
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _distribution(requirement: str) -> str:
+  """``"jax[cuda13]>=0.10"`` -> ``"jax"``."""
+  match = re.match(r"[A-Za-z0-9_.-]+", requirement)
+  assert match, requirement
+  return _normalized(match.group(0))
+
+
+def _distributions(*extras: str) -> set[str]:
+  """The project's own requirements: ``""`` for the dependencies."""
+  requirements = [
+    requirement
+    for extra in extras
+    for requirement in (
+      PYPROJECT["dependencies"]
+      if extra == ""
+      else PYPROJECT["optional-dependencies"][extra]
+    )
+  ]
+  return {
+    _distribution(requirement)
+    for requirement in requirements
+    if not requirement.startswith("ga_optax")
+  }
+
+
+def _installed_with(distributions: set[str]) -> set[str]:
+  """``distributions`` and what they require, as installed here."""
+  found, pending = set(), list(distributions)
+  while pending:
+    name = pending.pop()
+    if name in found:
+      continue
+    try:
+      requirements = importlib.metadata.requires(name) or []
+    except importlib.metadata.PackageNotFoundError:
+      continue  # Required on other platforms only (a marker).
+    found.add(name)
+    for requirement in requirements:
+      if "extra ==" not in requirement:
+        pending.append(_distribution(requirement))
+  return found
+
+
+def _imported_modules(source: str) -> set[str]:
+  modules = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      modules |= {alias.name.split(".")[0] for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      modules.add(node.module.split(".")[0])
+  return modules
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_pages_import_only_what_the_demo_install_brings(page):
+  # A reader of the docs has run the demo's install, pip install
+  # ".[examples]"; the test extra (chex, pytest...) is the project's own.
+  installed = _installed_with(_distributions("", "examples"))
+  providers = importlib.metadata.packages_distributions()
+  missing = {
+    module
+    for module in _imported_modules(script(page))
+    if module != "ga_optax"
+    and module not in sys.stdlib_module_names
+    and not {_normalized(name) for name in providers.get(module, [])}
+    & installed
+  }
+  assert not missing, (
+    f"{page} imports {sorted(missing)}, which pip install '.[examples]'"
+    " does not install"
+  )
+
+
+def test_getting_started_says_what_each_install_brings():
+  text = (ROOT / "docs/getting-started.md").read_text()
+  comments = dict(
+    re.findall(r"^pip install (\S+)\s+# (.*)$", text, flags=re.MULTILINE)
+  )
+  test_only = _distributions("test") - _installed_with(
+    _distributions("", "examples")
+  )
+  for target, extras in ((".", ("",)), ('".[examples]"', ("examples",))):
+    named = set(re.findall(r"[a-z][a-z0-9-]*", comments[target]))
+    assert _distributions(*extras) <= named, (target, comments[target])
+    assert not named & test_only, (target, comments[target])
+
+
+# The README's two opening commands each stand alone.
+
+VENV_COMMAND = re.compile(
+  r"^python3 -m venv (?P<venv>\S+) && \. (?P<activated>\S+)/bin/activate"
+  r' && pip install (?:-e )?(?P<target>"[^"]+")',
+  re.MULTILINE,
+)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_the_demo_and_the_test_commands_make_their_own_environments(page):
+  commands = VENV_COMMAND.findall((ROOT / page).read_text())
+  assert [target for _, _, target in commands] == [
+    '".[examples]"',
+    '".[test]"',
+  ], commands
+  venvs = [venv for venv, _, _ in commands]
+  for venv, activated, _ in commands:
+    assert activated == venv, (page, venv, activated)
+  # Run one after the other in a checkout, the second must not reuse (or
+  # pollute) the first's environment.
+  assert len(set(venvs)) == 2, venvs
+  ignored = (ROOT / ".gitignore").read_text().splitlines()
+  for venv in venvs:
+    assert f"{venv}/" in ignored, venv
+
+
+# Links to the pages that explain what a reader will meet.
+
+ROUNDING_EXPLAINED = (
+  "not-equivalent.md#floating-point",
+  "testing.md#leaves-only-rounding-moves-attention-key-biases",
+)
+
+
+def _heading_anchors(page: str) -> set[str]:
+  """The anchors mkdocs gives a page's headings (toc's default slugify)."""
+  anchors = set()
+  for heading in re.findall(
+    r"^#+ (.*)$", (ROOT / page).read_text(), re.MULTILINE
+  ):
+    words = re.sub(r"[^\w\s-]", "", heading.strip().lower())
+    anchors.add(re.sub(r"[-\s]+", "-", words))
+  return anchors
+
+
+@pytest.mark.parametrize(
+  "page", ["docs/how-to/nnx.md", "docs/how-to/token-weighting.md"]
+)
+def test_pages_link_the_explanation_of_adam_amplifying_rounding(page):
+  text = (ROOT / page).read_text()
+  for target in ROUNDING_EXPLAINED:
+    assert f"]({target})" in text or f"](../{target})" in text, (page, target)
+    path, anchor = target.split("#")
+    linked = (
+      "docs/" + path if path == "not-equivalent.md" else "docs/how-to/" + path
+    )
+    assert anchor in _heading_anchors(linked), (linked, anchor)
+
+
+# The Linen TrainState path of the migration guide.
+
+
+def test_migration_moves_a_linen_train_state(monkeypatch, tmp_path):
+  from flax.training import train_state
+
+  import ga_optax
+
+  monkeypatch.chdir(tmp_path)
+  page = "docs/migration.md"
+  source = script(page)
+  namespace: dict[str, Any] = {"__name__": "__main__", "print": lambda *_: None}
+  exec(compile(source, str(ROOT / page), "exec"), namespace)
+  states = [
+    value
+    for value in namespace.values()
+    if isinstance(value, train_state.TrainState)
+  ]
+  # A TrainState driven by MultiSteps, and one moved over to accumulate.
+  moved = [
+    state
+    for state in states
+    if any(
+      isinstance(node, ga_optax.AccumulateState)
+      for node in jax.tree.leaves(
+        state.opt_state,
+        is_leaf=lambda node: isinstance(node, ga_optax.AccumulateState),
+      )
+    )
+  ]
+  assert moved and len(moved) < len(states), [type(s.opt_state) for s in states]
+  assert "ga_optax.apply_gradients(" in source

@@ -289,3 +289,121 @@ def test_jitted_step_with_mixed_dtypes_compiles_once():
   assert len(per_call[0]) == 1, per_call
   assert per_call[1:] == [[]] * (NUM_CALLS - 1), per_call
   assert int(ga_optax.applied_updates(carry["state"])) == NUM_CALLS // EVERY_K
+
+
+# Python numbers are arguments, as jax.jit makes them.
+
+# A loss that stalls and then improves: reduce_on_plateau halves its scale
+# after the stall, so the reference below depends on every value passed.
+PLATEAU_VALUES = (4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 3.0, 3.0, 2.5, 2.5)
+
+
+def _plateau_optimizer() -> optax.GradientTransformationExtraArgs:
+  return optax.chain(
+    optax.sgd(0.1),
+    optax.contrib.reduce_on_plateau(factor=0.5, patience=1, cooldown=0),
+  )
+
+
+def test_python_float_extra_args_compile_once():
+  # value=float(loss) changes on every call; a new program per value would
+  # make an eager training loop compile on every micro-step.
+  every_k = 2
+
+  def make():
+    return ga_optax.accumulate(_plateau_optimizer(), every_k)
+
+  def run(tx):
+    params = _params()
+    carry = {"state": tx.init(params)}
+    outputs: list[Any] = []
+
+    def make_call(index: int) -> Callable[[], Any]:
+      def call() -> Any:
+        updates, carry["state"] = tx.update(
+          _grads(index), carry["state"], params, value=PLATEAU_VALUES[index]
+        )
+        outputs.append(updates)
+        return updates
+
+      return call
+
+    calls = [make_call(index) for index in range(len(PLATEAU_VALUES))]
+    return calls, outputs
+
+  per_call, outputs = _run_twice(make, run)
+  assert len(per_call[0]) == 1, per_call
+  assert per_call[1:] == [[]] * (len(PLATEAU_VALUES) - 1), per_call
+
+  # The reference: plain optax on each window's mean gradient, with the
+  # value the closing call passed.
+  reference = _plateau_optimizer()
+  params = _params()
+  reference_state = reference.init(params)
+  scales = []
+  for closing in range(every_k - 1, len(PLATEAU_VALUES), every_k):
+    window = [
+      _grads(index) for index in range(closing - every_k + 1, closing + 1)
+    ]
+    mean_grads = jax.tree.map(lambda *leaves: sum(leaves) / every_k, *window)
+    expected, reference_state = reference.update(
+      mean_grads, reference_state, params, value=PLATEAU_VALUES[closing]
+    )
+    scales.append(float(reference_state[1].scale))
+    chex.assert_tree_all_finite(outputs[closing])
+    chex.assert_trees_all_close(
+      outputs[closing], expected, rtol=1e-6, atol=1e-7
+    )
+  # The values did reach the plateau logic: the scale dropped on the way.
+  assert scales[0] == 1.0 and scales[-1] < 1.0, scales
+
+
+def _scaled_loss(params, batch, scale):
+  return scale * _mean_loss(params, batch)
+
+
+def test_python_float_positional_args_compile_once():
+  scales = (0.5, 1.5, 2.0, 3.25, 0.75, 1.0)
+
+  def make():
+    return ga_optax.microbatched_value_and_grad(_scaled_loss, 3)
+
+  def run(value_and_grad):
+    params = _params()
+    outputs: list[Any] = []
+
+    def make_call(index: int) -> Callable[[], Any]:
+      def call() -> Any:
+        outputs.append(value_and_grad(params, _batch(index), scales[index]))
+        return outputs[-1]
+
+      return call
+
+    return [make_call(index) for index in range(len(scales))], outputs
+
+  per_call, outputs = _run_twice(make, run)
+  assert len(per_call[0]) == 1, per_call
+  assert per_call[1:] == [[]] * (len(scales) - 1), per_call
+  for index, output in enumerate(outputs):
+    expected = jax.value_and_grad(_scaled_loss)(
+      _params(), _batch(index), scales[index]
+    )
+    # A mean of 3 micro-batch means against one mean: float32 rounding.
+    chex.assert_tree_all_finite(output)
+    chex.assert_trees_all_close(output, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_python_control_flow_on_a_number_still_runs_eagerly():
+  # jax.jit would reject this function (a Python branch on a traced number);
+  # called eagerly it ran before, and still does, once per value.
+  def branching_loss(params, batch, scale):
+    loss = _mean_loss(params, batch)
+    return loss if scale == 1 else scale * loss
+
+  value_and_grad = ga_optax.microbatched_value_and_grad(branching_loss, 3)
+  for index, scale in enumerate((1, 2, 2)):
+    output = value_and_grad(_params(), _batch(index), scale)
+    expected = jax.value_and_grad(branching_loss)(
+      _params(), _batch(index), scale
+    )
+    _assert_same_results(output, expected)

@@ -67,3 +67,34 @@ def test_largest_k_the_counters_hold():
   schedule = as_schedule({0: 2**31 - 1, 2**31 - 1: 2**31 - 1})
   assert int(schedule(jnp.asarray(0, jnp.int32))) == 2**31 - 1
   assert int(as_schedule(2**31 - 1)(jnp.asarray(0, jnp.int32))) == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+  "every_k",
+  [
+    lambda update_step: 2 if update_step < 10 else 4,
+    lambda update_step: [2, 2, 4][int(update_step)],
+    lambda update_step: range(2, 5)[update_step],
+  ],
+  ids=["if", "int", "index"],
+)
+def test_a_callable_with_python_control_flow_is_refused_with_the_fixes(
+  every_k,
+):
+  # The callable gets a traced int32 scalar: Python needs its value, and
+  # the error must say which argument and how to write it instead.
+  with pytest.raises(TypeError) as raised:
+    ga_optax.accumulate(optax.sgd(0.1), every_k)
+  message = str(raised.value)
+  assert message.startswith("every_k")
+  assert "{0: 2, 10: 4}" in message
+  assert "jnp.where" in message
+
+
+def test_the_fixes_the_error_names_give_the_intended_schedule():
+  by_dict = as_schedule({0: 2, 10: 4})
+  by_where = as_schedule(lambda update_step: jnp.where(update_step < 10, 2, 4))
+  for update_step in (0, 9, 10, 11):
+    expected = 2 if update_step < 10 else 4
+    assert int(by_dict(jnp.int32(update_step))) == expected
+    assert int(by_where(jnp.int32(update_step))) == expected

@@ -230,3 +230,66 @@ def test_dropout_gets_a_key_per_microbatch():
   assert not np.allclose(outputs[0], outputs[1])
   (_, outputs_again), grads_again = value_and_grad(params, batch, rest, rng=key)
   chex.assert_trees_all_equal((outputs, grads), (outputs_again, grads_again))
+
+
+def _square_norm(tree: Any) -> float:
+  return float(sum(np.sum(np.square(leaf)) for leaf in jax.tree.leaves(tree)))
+
+
+def test_readers_return_plain_arrays_from_an_nnx_optimizer():
+  # NNX wraps every optimizer-state leaf in a Variable; a reader that hands
+  # one back breaks f"{value:d}" and anything else expecting an array.
+  every_k = 2
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+    model,
+    ga_optax.accumulate(
+      optax.sgd(0.1), every_k, skip_nonfinite=True, noise_scale_decay=0.0
+    ),
+    wrt=nnx.Param,
+  )
+
+  def loss_fn(model, x):
+    return jnp.mean(model(x) ** 2)
+
+  rng = np.random.default_rng(0)
+  last_window = []
+  # Two windows, with a non-finite micro-step between them that is dropped.
+  for call in range(5):
+    grads = nnx.grad(loss_fn)(model, jnp.asarray(rng.normal(size=(4, 3))))
+    if call == 2:
+      grads = jax.tree.map(lambda grad: grad * jnp.nan, grads)
+    elif call > 2:
+      last_window.append(jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
+    optimizer.update(model, grads)
+
+  estimate = ga_optax.noise_scale(optimizer.opt_state)
+  readings = {
+    "applied_updates": ga_optax.applied_updates(optimizer.opt_state),
+    "emitted": ga_optax.emitted(optimizer.opt_state),
+    "num_skipped": ga_optax.num_skipped(optimizer.opt_state),
+    **{
+      f"noise_scale.{name}": value for name, value in estimate._asdict().items()
+    },
+  }
+  for name, value in readings.items():
+    assert isinstance(value, jax.Array), (name, type(value))
+    assert not isinstance(value, nnx.Variable), (name, type(value))
+    assert np.isfinite(value), name
+  assert f"{readings['applied_updates']:d}" == "2"
+  assert f"{readings['num_skipped']:d}" == "1"
+  assert f"{estimate.windows:d}" == "2"
+  assert bool(readings["emitted"])
+
+  # With decay 0 the reading is the last window's estimate (unit weights):
+  # trace_sigma = (sum |g_i|^2 - K |G|^2) / (K - 1), grad_sq = |G|^2 - it / K.
+  mean = jax.tree.map(lambda *grads: sum(grads) / every_k, *last_window)
+  trace_sigma = (
+    sum(_square_norm(grads) for grads in last_window)
+    - every_k * _square_norm(mean)
+  ) / (every_k - 1)
+  grad_sq = _square_norm(mean) - trace_sigma / every_k
+  np.testing.assert_allclose(
+    float(estimate.trace_sigma), trace_sigma, rtol=1e-5
+  )
+  np.testing.assert_allclose(float(estimate.grad_sq), grad_sq, rtol=1e-4)

@@ -356,3 +356,191 @@ def test_a_large_batch_run_that_diverges_is_no_reference():
     testing.assert_equivalent_to_large_batch(
       loss_fn, optax.sgd(1e30), jnp.ones(2), [batch] * 4, 4
     )
+
+
+# A scalar batch leaf is shared by every micro-batch.
+
+
+def scaled_loss(params, batch):
+  return batch["scale"] * loss_fn(params, batch)
+
+
+@pytest.mark.parametrize(
+  "scale", [jnp.float32(2.0), 2.0, np.float32(2.0)], ids=type
+)
+def test_a_scalar_batch_leaf_is_shared_by_every_micro_batch(scale):
+  batches = [{**batch, "scale": scale} for batch in BATCHES]
+  sizes = [5, 7]
+  result = testing.compare_with_large_batch(
+    scaled_loss, optax.sgd(0.1), PARAMS, batches, sizes
+  )
+  # The references: plain SGD on each large batch, and on the size-weighted
+  # mean of its two micro-batches' gradients, each seeing the scale.
+  large, accumulated = PARAMS, PARAMS
+  for batch in batches:
+    grads = jax.grad(scaled_loss)(large, batch)
+    large = jax.tree.map(lambda p, g: p - 0.1 * g, large, grads)
+    first = {**batch, "x": batch["x"][:5], "y": batch["y"][:5]}
+    second = {**batch, "x": batch["x"][5:], "y": batch["y"][5:]}
+    mean_grads = jax.tree.map(
+      lambda a, b: (5 * a + 7 * b) / 12,
+      jax.grad(scaled_loss)(accumulated, first),
+      jax.grad(scaled_loss)(accumulated, second),
+    )
+    accumulated = jax.tree.map(
+      lambda p, g: p - 0.1 * g, accumulated, mean_grads
+    )
+  for name in PARAMS:
+    assert np.all(np.isfinite(result.accumulated_params[name]))
+    np.testing.assert_allclose(
+      result.large_batch_params[name], large[name], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+      result.accumulated_params[name], accumulated[name], rtol=1e-5, atol=1e-7
+    )
+  # The scale reached the micro-batches: without it the step is halved.
+  unscaled = jax.tree.map(
+    lambda p, g: p - 0.1 * g, PARAMS, jax.grad(loss_fn)(PARAMS, BATCHES[0])
+  )
+  assert not np.allclose(result.large_batch_params["w"], unscaled["w"])
+
+
+def test_a_batch_of_scalars_only_is_refused():
+  batch = {"x": jnp.float32(1.0), "y": 2.0}
+  with pytest.raises(ValueError, match=r"batches: .*got only scalars"):
+    testing.compare_with_large_batch(
+      lambda params, batch: jnp.sum(params["w"]) * batch["x"],
+      optax.sgd(0.1),
+      PARAMS,
+      [batch],
+      1,
+    )
+
+
+# rtol is held exactly.
+
+
+def test_a_difference_just_above_rtol_fails():
+  # With micro-batches of one row, SGD on w * mean(x)**2 steps by the mean of
+  # x_i**2 instead of the mean of x squared: a known, finite difference.
+  def square_mean_loss(params, batch):
+    return params["w"] * jnp.mean(batch["x"]) ** 2
+
+  rows = np.array([1.0, 1.2])
+  learning_rate, start = 0.1, 1.0
+  large = start - learning_rate * rows.mean() ** 2
+  accumulated = start - learning_rate * np.mean(rows**2)
+  difference = abs(accumulated - large) / abs(large)
+  batches = [{"x": jnp.asarray(rows, jnp.float32)}]
+  params = {"w": jnp.float32(start)}
+
+  result = testing.compare_with_large_batch(
+    square_mean_loss, optax.sgd(learning_rate), params, batches, 2
+  )
+  np.testing.assert_allclose(
+    result.max_relative_difference, difference, rtol=1e-3
+  )
+  with pytest.raises(AssertionError, match="max relative difference"):
+    testing.assert_equivalent_to_large_batch(
+      square_mean_loss,
+      optax.sgd(learning_rate),
+      params,
+      batches,
+      2,
+      rtol=difference / 1.05,
+    )
+  testing.assert_equivalent_to_large_batch(
+    square_mean_loss,
+    optax.sgd(learning_rate),
+    params,
+    batches,
+    2,
+    rtol=difference * 1.05,
+  )
+
+
+# A Flax NNX model goes in as it is.
+
+
+class DropoutClassifier(nnx.Module):
+  """A model with state besides its parameters: its dropout RNG stream."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(3, 8, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, deterministic=True, rngs=rngs)
+    self.out = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.dropout(jnp.tanh(self.hidden(x))))[:, 0]
+
+
+def model_loss(model, batch):
+  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("use_jit", [True, False])
+def test_an_nnx_model_goes_in_directly(use_jit):
+  model = DropoutClassifier(nnx.Rngs(0))
+  before = jax.tree.map(
+    np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  )
+  sizes = [4, 8]
+  result = testing.assert_equivalent_to_large_batch(
+    model_loss, optax.sgd(0.1), model, BATCHES, sizes, use_jit=use_jit
+  )
+
+  # The references, in plain JAX on the parameter state.
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def params_loss(params, batch):
+    return model_loss(nnx.merge(graphdef, params, rest, copy=True), batch)
+
+  def sgd(params, grads):
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+  large, accumulated = params, params
+  for batch in BATCHES:
+    large = sgd(large, jax.grad(params_loss)(large, batch))
+    first = jax.tree.map(lambda leaf: leaf[:4], batch)
+    second = jax.tree.map(lambda leaf: leaf[4:], batch)
+    accumulated = sgd(
+      accumulated,
+      jax.tree.map(
+        lambda a, b: (4 * a + 8 * b) / 12,
+        jax.grad(params_loss)(accumulated, first),
+        jax.grad(params_loss)(accumulated, second),
+      ),
+    )
+  assert result.max_relative_difference < 1e-5
+  for got, want in [
+    (result.large_batch_params, large),
+    (result.accumulated_params, accumulated),
+  ]:
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for got_leaf, want_leaf in zip(
+      jax.tree.leaves(got), jax.tree.leaves(want), strict=True
+    ):
+      assert np.all(np.isfinite(got_leaf))
+      np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-7)
+  # Training moved the parameters, and left the model passed in as it was.
+  assert not np.allclose(
+    large["out"]["kernel"][...], params["out"]["kernel"][...]
+  )
+  after = jax.tree.map(
+    np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  )
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+
+
+def test_an_nnx_model_is_judged_by_its_parameter_paths():
+  # The paths exclude= sees are those of the model's nnx.Param state.
+  result = testing.assert_equivalent_to_large_batch(
+    lambda model, batch: jnp.mean((model(batch["x"]) - batch["y"]) ** 2),
+    optax.sgd(0.1),
+    AttentionBlock(nnx.Rngs(0)),
+    ATTENTION_BATCHES,
+    4,
+    exclude=is_key_bias,
+  )
+  assert result.excluded == (KEY_BIAS,)
+  assert result.max_relative_difference < 1e-5

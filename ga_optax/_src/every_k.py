@@ -67,7 +67,18 @@ def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
 
 
 def _checked_callable(schedule: EveryKSchedule) -> EveryKSchedule:
-  result = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+  try:
+    result = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+  except validation.NEEDS_A_CONCRETE_VALUE as error:
+    raise TypeError(
+      "every_k as a callable is traced: it gets the applied-update count as"
+      " a traced int32 scalar, so Python control flow on it (if, int(),"
+      " indexing a list) cannot run. Write a piecewise-constant schedule"
+      " as a dict of applied-update counts, every_k={0: 2, 10: 4}, or"
+      " compute k with jax.numpy,"
+      " every_k=lambda step: jnp.where(step < 10, 2, 4)."
+      f" The callable {schedule!r} raised {type(error).__name__}."
+    ) from error
   shape = getattr(result, "shape", None)
   dtype = getattr(result, "dtype", None)
   if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
@@ -88,7 +99,8 @@ def as_schedule(every_k: EveryK) -> EveryKSchedule:
 
   Raises:
     TypeError: ``every_k`` is of a type that is not accepted, or a callable
-      that does not return an integer scalar.
+      that does not return an integer scalar or needs the value of its
+      traced argument (Python control flow on it).
     ValueError: ``every_k`` is an int below 1 or above 2**31 - 1, or a dict
       that is empty, lacks key 0, has a key above 2**31 - 1, or maps to a k
       below 1 or above 2**31 - 1.

@@ -276,7 +276,8 @@ def microbatched_value_and_grad(
     output = ((value, aux), grads) if has_aux else (value, grads)
     return (*output, estimate) if noise_scale else output
 
-  return eager.compiled_when_eager(value_and_grad_fn)
+  # The params' Python numbers are not differentiated: they stay static.
+  return eager.compiled_when_eager(value_and_grad_fn, numbers_static_in=(0,))
 
 
 def unreduced_value_and_grad(

@@ -199,8 +199,9 @@ def noise_scale(state: Any) -> NoiseScale:
       :func:`ga_optax.smooth_noise_scale`.
 
   Returns:
-    A :class:`ga_optax.NoiseScale`: NaN until a window of at least 2
-    micro-gradients has closed.
+    A :class:`ga_optax.NoiseScale` of plain scalar arrays (also from an
+    NNX ``Optimizer``'s state, whose leaves NNX wraps in Variables): NaN
+    until a window of at least 2 micro-gradients has closed.
 
   Raises:
     ValueError: the state holds no ``AccumulateState`` (or several), or
@@ -218,12 +219,16 @@ def noise_scale(state: Any) -> NoiseScale:
     (2.0, 4.0)
   """
   if isinstance(state, NoiseScaleAverages):
-    return read(state)
-  found = find_state(state).noise_scale
-  if found is None:
-    raise ValueError(
-      "state holds no noise scale: pass noise_scale_decay to"
-      " ga_optax.accumulate (for example noise_scale_decay=0.99) to measure"
-      " it."
-    )
-  return read(jax.tree.map(jnp.asarray, found.smoothed))
+    averages = state
+  else:
+    found = find_state(state).noise_scale
+    if found is None:
+      raise ValueError(
+        "state holds no noise scale: pass noise_scale_decay to"
+        " ga_optax.accumulate (for example noise_scale_decay=0.99) to"
+        " measure it."
+      )
+    averages = found.smoothed
+  # Field by field: a Variable is a pytree node, so jax.tree.map would map
+  # the array inside it and hand the Variable back.
+  return read(NoiseScaleAverages(*(jnp.asarray(field) for field in averages)))

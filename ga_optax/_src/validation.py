@@ -17,6 +17,14 @@ import optax
 
 REDUCTIONS = ("mean", "sum")
 
+# What tracing raises when Python needs the value of a traced number: an
+# `if` on it, int(x) or range(x), np.asarray(x).
+NEEDS_A_CONCRETE_VALUE = (
+  jax.errors.ConcretizationTypeError,
+  jax.errors.TracerIntegerConversionError,
+  jax.errors.TracerArrayConversionError,
+)
+
 
 def is_int(value: Any) -> bool:
   """A Python or NumPy integer; bool is an int subclass but always a mistake."""

@@ -1,5 +1,6 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
 
+from ga_optax._src.batch_size import goodput_k, suggested_k, warmup_schedule
 from ga_optax._src.batchnorm import combine_batch_stats
 from ga_optax._src.elastic import (
   ElasticPlan,
@@ -69,7 +70,9 @@ __all__ = [
   "smooth_noise_scale",
   "split_total",
   "stack_partial_sums",
+  "suggested_k",
   "unreduced_value_and_grad",
   "unstack_partial_sums",
   "valid_device_counts",
+  "warmup_schedule",
 ]

@@ -9,6 +9,12 @@ from ga_optax._src.elastic import (
   valid_device_counts,
 )
 from ga_optax._src.flax_utils import apply_gradients
+from ga_optax._src.loss_scaling import (
+  DynamicLossScaleState,
+  dropped_windows,
+  dynamic_loss_scale,
+  loss_scale,
+)
 from ga_optax._src.microbatch import (
   microbatched_value_and_grad,
   unreduced_value_and_grad,
@@ -47,6 +53,7 @@ __version__ = "0.2.0"
 
 __all__ = [
   "AccumulateState",
+  "DynamicLossScaleState",
   "ElasticPlan",
   "FusedAccumulation",
   "MicrobatchPlan",
@@ -60,8 +67,12 @@ __all__ = [
   "best_global_batch_size",
   "combine_batch_stats",
   "consolidate",
+  "dropped_windows",
+  "dynamic_loss_scale",
   "elastic_plan",
   "emitted",
+  "goodput_k",
+  "loss_scale",
   "micro_step_bytes",
   "microbatched_value_and_grad",
   "noise_scale",

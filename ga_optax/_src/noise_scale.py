@@ -40,7 +40,8 @@ class NoiseScale(NamedTuple):
       noise at this batch size), returned as computed.
     grad_sq: smoothed, debiased estimate of |G|^2.
     trace_sigma: smoothed, debiased estimate of tr(Sigma), per item.
-    windows: windows measured (those of at least 2 micro-gradients).
+    windows: windows measured (those of at least 2 micro-gradients whose
+      estimates are finite).
   """
 
   b_simple: jax.Array
@@ -168,18 +169,28 @@ def window_estimate(
 def smooth(
   smoothed: NoiseScaleAverages, estimate: NoiseScaleEstimate, decay: float
 ) -> NoiseScaleAverages:
-  """The averages after one more window; unchanged if it was not measured."""
+  """The averages after one more window; unchanged if it was not measured.
+
+  A window whose estimates are not finite is not measured either: its
+  gradient overflowed (a window that a loss scale drops), and folding it in
+  would leave the averages NaN for the rest of the run.
+  """
+  counted = (
+    estimate.measured
+    & jnp.isfinite(estimate.grad_sq)
+    & jnp.isfinite(estimate.trace_sigma)
+  )
 
   def average(old: jax.Array, new: jax.Array) -> jax.Array:
-    return jnp.where(
-      estimate.measured, decay * old + (1.0 - decay) * new, old
-    ).astype(old.dtype)
+    return jnp.where(counted, decay * old + (1.0 - decay) * new, old).astype(
+      old.dtype
+    )
 
   return NoiseScaleAverages(
     grad_sq=average(smoothed.grad_sq, estimate.grad_sq),
     trace_sigma=average(smoothed.trace_sigma, estimate.trace_sigma),
     debias=average(smoothed.debias, jnp.ones((), smoothed.debias.dtype)),
-    windows=smoothed.windows + estimate.measured.astype(smoothed.windows.dtype),
+    windows=smoothed.windows + counted.astype(smoothed.windows.dtype),
   )
 
 

@@ -17,13 +17,19 @@ micro-batches, and :func:`dot_shapes` gives the per-device operand shapes of
 its matrix products; :func:`parse_hlo`, :func:`reachable` and
 :func:`collectives_in_hlo` are the pieces they are built from.
 
-On a GPU it is only worth having if the optimizer does not run on every
-micro-step: :func:`gpu_conditional_audit` compiles a lowered step as XLA:GPU
-would treat its conditionals, on any backend, and counts those that survive.
+On a GPU it is only worth having if a micro-step costs less than a step of
+the optimizer: :func:`compile_for_gpu` compiles a step with the real XLA:GPU
+compiler for GPUs this machine need not have (an H100 by default; it needs
+JAX's CUDA plugin), and :func:`path_audit` reads what a compiled step does
+on a micro-step and on the call that closes a window: bytes moved, copies,
+collectives, and closing work the compiler moved out of the closing side.
+Where the plugin is missing, :func:`gpu_conditional_audit` still emulates
+on any backend what XLA:GPU does to a program's conditionals.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -33,6 +39,17 @@ import numpy as np
 import optax
 
 from ga_optax._src import validation
+from ga_optax._src.compiled_paths import (
+  Copy,
+  PathAudit,
+  path_audit,
+  window_sides,
+)
+from ga_optax._src.gpu_compile import (
+  GpuCompilerUnavailable,
+  compile_for_gpu,
+  gpu_devices,
+)
 from ga_optax._src.gpu_conditionals import (
   ConditionalAudit,
   EmulationUnavailable,
@@ -66,21 +83,28 @@ from ga_optax._src.tree_difference import (
 __all__ = [
   "Collective",
   "ConditionalAudit",
+  "Copy",
   "EmulationUnavailable",
   "EquivalenceResult",
+  "GpuCompilerUnavailable",
   "HloInstruction",
   "HloModule",
+  "PathAudit",
   "WindowCollectives",
   "assert_equivalent_to_large_batch",
   "collectives_in_hlo",
   "compare_with_large_batch",
+  "compile_for_gpu",
   "dot_shapes",
   "gpu_conditional_audit",
+  "gpu_devices",
   "loop_collectives",
   "max_relative_difference",
   "parse_hlo",
+  "path_audit",
   "reachable",
   "window_collectives",
+  "window_sides",
 ]
 
 LossFn = Callable[[optax.Params, Any], jax.Array]

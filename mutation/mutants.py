@@ -41,6 +41,7 @@ class Mutant(NamedTuple):
 
 
 WINDOW = "ga_optax/_src/window.py"
+RUN_ONCE = "ga_optax/_src/run_once.py"
 OUTPUT = "ga_optax/_src/output.py"
 MICROBATCH = "ga_optax/_src/microbatch_scan.py"
 HLO = "ga_optax/_src/hlo.py"
@@ -220,7 +221,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "update_step=increment_if(state.update_step, stepped),",
+        'update_step=increment_if(state.update_step, closed["stepped"]),',
         "update_step=increment_if(state.update_step, jnp.asarray(True)),",
       ),
     ),
@@ -230,68 +231,97 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_docs_snippets.py::test_page_runs[docs/how-to/fused.md]",
     ),
   ),
-  # Cost: the optimizer runs only in the branch that closes the window.
+  # Cost: the optimizer runs only on the side that closes the window, and a
+  # micro-step copies nothing, as XLA:GPU compiles it.
   Mutant(
-    name="conditional_lost_flag",
-    guarantee="cost (the window's conditional on every backend)",
-    defect="the open branch returns a False flag made inside it instead of"
-    " forwarding the predicate, so XLA:GPU may turn the conditional into"
-    " selects that run the optimizer on every micro-step",
+    name="window_as_conditional",
+    guarantee="cost (a copy-free micro-step on XLA:GPU)",
+    defect="each side of the window is a lax.cond instead of a loop of at"
+    " most one trip: XLA:GPU copies every buffer the untaken side forwards,"
+    " the optimizer state included, on every micro-step",
     edits=(
       Edit(
-        WINDOW,
-        '      operands["not_stepped"],\n    )',
-        "      jnp.zeros((), jnp.bool_),\n    )",
+        RUN_ONCE,
+        "    return jax.lax.while_loop(\n"
+        "      lambda state: state[0],\n"
+        "      once,\n"
+        "      (jnp.asarray(predicate), carry, invariants),\n"
+        "    )[1]\n",
+        "    return jax.lax.cond(\n"
+        "      predicate,\n"
+        "      lambda carried: converted(carried, *invariants),\n"
+        "      lambda carried: carried,\n"
+        "      carry,\n"
+        "    )\n",
       ),
     ),
     tests=(
-      "tests/test_gpu_conditionals.py::test_one_device[adam]",
-      "tests/test_gpu_conditionals.py::test_one_device[fused_sgd]",
-    ),
-  ),
-  Mutant(
-    name="conditional_lost_zeros",
-    guarantee="cost (the window's conditional on every backend)",
-    defect="where no operand can carry the updates (an unreduced"
-    " accumulator), the open branch returns zero updates made inside it"
-    " instead of forwarding the zeros made outside",
-    edits=(
-      Edit(
-        WINDOW,
-        '      operands[self.carrier],\n      operands["inner_state"],\n',
-        "      optax.tree.zeros_like(self.updates_like)\n"
-        '      if self.carrier == "zeros"\n'
-        "      else operands[self.carrier],\n"
-        '      operands["inner_state"],\n',
-      ),
-    ),
-    tests=(
-      "tests/test_gpu_conditionals.py::test_plain_jit_on_a_mesh[unreduced]",
-      "tests/test_gpu_conditionals.py::test_plain_jit_on_a_mesh[zero1_rule]",
+      "tests/test_gpu_program.py::test_one_gpu[adam]",
+      "tests/test_gpu_program.py::test_one_gpu[fused_sgd]",
     ),
   ),
   Mutant(
     name="optimizer_runs_every_micro_step",
     guarantee="cost (the optimizer is not evaluated on micro-steps)",
-    defect="both branches run on every micro-step and a select picks one,"
+    defect="both sides run on every micro-step and a select picks one,"
     " as optax.MultiSteps does",
     edits=(
       Edit(
-        WINDOW,
-        "jax.lax.cond(\n      decision.steps,\n",
-        "(\n"
-        "      lambda pred, true_fn, false_fn, operands: jax.tree.map(\n"
-        "        lambda a, b: jnp.where(pred, a, b),\n"
-        "        true_fn(operands),\n"
-        "        false_fn(operands),\n"
-        "      )\n"
-        "    )(\n"
-        "      decision.steps,\n",
+        RUN_ONCE,
+        "    return jax.lax.while_loop(\n"
+        "      lambda state: state[0],\n"
+        "      once,\n"
+        "      (jnp.asarray(predicate), carry, invariants),\n"
+        "    )[1]\n",
+        "    return jax.tree.map(\n"
+        "      lambda ran, kept: jnp.where(predicate, ran, kept),\n"
+        "      converted(carry, *invariants),\n"
+        "      carry,\n"
+        "    )\n",
       ),
     ),
     tests=(
-      "tests/test_gpu_conditionals.py::test_one_device[adam]",
+      "tests/test_compiled_window.py",
+      "tests/test_gpu_program.py::test_one_gpu[adam]",
       "tests/test_accumulate.py",
+    ),
+  ),
+  Mutant(
+    name="loop_shardings_left_to_the_partitioner",
+    guarantee="data parallel (ZeRO-1: the optimizer state stays sharded)",
+    defect="inside the window's loops only unreduced values are pinned to"
+    " their types; the partitioner gathers a ZeRO-1 state whole before"
+    " the loop, on every micro-step",
+    edits=(
+      Edit(
+        RUN_ONCE,
+        "      return leaf\n    return jax.reshard(leaf, sharding.spec)",
+        "      return leaf\n"
+        "    if not sharding.spec.unreduced:\n"
+        "      return leaf\n"
+        "    return jax.reshard(leaf, sharding.spec)",
+      ),
+    ),
+    tests=(
+      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[zero1]",
+      "tests/test_compiled_window.py",
+    ),
+  ),
+  Mutant(
+    name="loop_shardings_unpinned",
+    guarantee="data parallel (the global mean under plain jit)",
+    defect="inside the window's loops no value is pinned to its type: the"
+    " partitioner takes the unreduced gradient for a whole one and reduces"
+    " it twice",
+    edits=(
+      Edit(
+        RUN_ONCE,
+        "    carried, read = pin_types(carried), pin_types(read)\n",
+        "",
+      ),
+    ),
+    tests=(
+      "tests/test_plain_jit_mesh.py::test_accumulate_unreduced_matches_the_large_batch",
     ),
   ),
   # Dtypes.
@@ -406,10 +436,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "      accumulator=self.accumulator_home.keep(\n"
-        '        output if closing.carrier == "accumulator" else accumulator\n'
-        "      ),\n",
-        '      accumulator=output if closing.carrier == "accumulator" else accumulator,\n',
+        "      accumulator=self.accumulator_home.keep(accumulator),\n",
+        "      accumulator=accumulator,\n",
       ),
     ),
     tests=(
@@ -541,15 +569,15 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "    accumulator = residency.to_device_after(state.accumulator, grads)\n",
-        "    accumulator = residency.to_device_after(state.accumulator, grads)\n"
-        "    if self.parallel.unreduced_axes:\n"
+        "    return self.window.add(\n      accumulator, grads, self.state,",
+        "    if self.window.parallel.unreduced_axes:\n"
         "      from ga_optax._src.parallel import axes as axes_lib\n"
         "\n"
         "      grads = axes_lib.cast_to_unreduced(\n"
         "        axes_lib.reduce_unreduced(grads, None),\n"
-        "        self.parallel.unreduced_axes,\n"
-        "      )\n",
+        "        self.window.parallel.unreduced_axes,\n"
+        "      )\n"
+        "    return self.window.add(\n      accumulator, grads, self.state,",
       ),
     ),
     tests=(

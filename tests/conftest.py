@@ -15,6 +15,11 @@ for whatever held it; after 40 s the runtime aborts the process.
 ``PJRT_NPROC``, which the runtime reads as the core count, gives the pool
 twice as many threads as devices (0 stalls in 16 runs). Subprocesses the
 tests start inherit it; a value set by hand is kept.
+
+The suite runs on the CPU: ``JAX_PLATFORMS=cpu`` unless set by hand. With
+JAX's CUDA plugin installed (CI installs it for XLA:GPU, which compiles the
+GPU-program tests for compile-only H100s), a machine without a GPU needs it:
+the plugin fails to start there and compiles nothing.
 """
 
 import os
@@ -22,6 +27,7 @@ import os
 DEVICES = 8
 
 os.environ.setdefault("PJRT_NPROC", str(2 * DEVICES))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (the runtime reads PJRT_NPROC when JAX starts it)
 

@@ -104,7 +104,11 @@ class AccumulateTest(parameterized.TestCase):
       inner_params = optax.apply_updates(inner_params, inner_updates)
     chex.assert_trees_all_close(state.inner_state, inner_state, rtol=1e-6)
 
-  def test_k_equal_one_under_jit_is_bit_identical(self):
+  def test_k_equal_one_under_jit_is_the_bare_optimizer(self):
+    # Equal up to float32 rounding, not bit for bit: the window's last add
+    # (an exact x * 1 + 0 here) is fused with the optimizer's arithmetic,
+    # and the compiler may contract that fusion's multiply-adds otherwise
+    # than the bare optimizer's (1 ulp apart, seen on the CPU).
     inner = optax.adam(1e-2)
     tx = ga_optax.accumulate(inner, 1)
 
@@ -119,8 +123,11 @@ class AccumulateTest(parameterized.TestCase):
       (updates, state), (inner_updates, inner_state) = both_steps(
         gradient(step), state, inner_state
       )
-      chex.assert_trees_all_equal(updates, inner_updates)
-    chex.assert_trees_all_equal(state.inner_state, inner_state)
+      chex.assert_tree_all_finite(updates)
+      chex.assert_trees_all_close(updates, inner_updates, rtol=1e-6, atol=0)
+    chex.assert_trees_all_close(
+      state.inner_state, inner_state, rtol=1e-6, atol=0
+    )
 
   def test_k_equal_one_with_any_weight_is_the_bare_optimizer(self):
     # A window of one micro-step is its gradient, whatever it weighs: plain

@@ -62,6 +62,10 @@ NOT_RUN_PAGES = {
 # Pages whose blocks build a mesh of 8 devices.
 EIGHT_DEVICE_PAGES = {"docs/how-to/testing.md"}
 
+# Pages whose blocks compile with XLA:GPU (ga_optax.testing.compile_for_gpu):
+# they need JAX's CUDA plugin, which CI installs; elsewhere they are skipped.
+GPU_COMPILER_PAGES = {"docs/compiled-window.md"}
+
 # Claims that are wrong today, (page, line) -> why. Each is expected to
 # disagree with what the line prints; one that agrees again fails the test,
 # so that its entry is removed.
@@ -404,6 +408,13 @@ def test_wrong_claims_name_real_lines():
 )
 def test_page_runs(page, tmp_path, monkeypatch):
   assert blocks(page), f"{page}: every Python block is marked not run"
+  if page in GPU_COMPILER_PAGES and not os.environ.get("CI"):
+    from ga_optax.testing import GpuCompilerUnavailable, gpu_devices
+
+    try:
+      gpu_devices()
+    except GpuCompilerUnavailable as error:
+      pytest.skip(f"{page} compiles with XLA:GPU: {error}")
   # Pages may write files (checkpoints, plots): into a scratch directory.
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -192,12 +192,19 @@ def gpu_conditional_audit(lowered: jax.stages.Lowered) -> ConditionalAudit:
     EmulationUnavailable: this JAX release lacks an internal API it needs.
 
   Example:
-    >>> import jax, jax.numpy as jnp, optax, ga_optax
-    >>> tx = ga_optax.accumulate(optax.adam(1e-3), 4)
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from ga_optax.testing import gpu_conditional_audit
+    >>> adam = optax.adam(1e-3)
     >>> params = {"w": jnp.ones(8)}
-    >>> lowered = jax.jit(tx.update).lower(params, tx.init(params), params)
-    >>> ga_optax.testing.gpu_conditional_audit(lowered)
-    ConditionalAudit(compiled=1, as_on_gpu=1, rewritten=1)
+    >>> def step(closes, grads, state):  # a window's conditional, by hand
+    ...   return jax.lax.cond(
+    ...       closes,
+    ...       lambda grads, state: adam.update(grads, state),
+    ...       lambda grads, state: (jax.tree.map(jnp.zeros_like, grads), state),
+    ...       grads, state)
+    >>> lowered = jax.jit(step).lower(True, params, adam.init(params))
+    >>> gpu_conditional_audit(lowered)  # selects on a GPU
+    ConditionalAudit(compiled=1, as_on_gpu=0, rewritten=1)
   """
   if not isinstance(lowered, jax.stages.Lowered):
     raise TypeError(

@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from ga_optax._src import run_once
+
 # Opcodes that move data between devices. Asynchronous collectives appear as a
 # ``-start``/``-done`` pair; only the ``-start`` half is counted.
 COLLECTIVE_OPCODES = frozenset(
@@ -22,6 +24,7 @@ COLLECTIVE_OPCODES = frozenset(
     "all-reduce",
     "all-reduce-start",
     "reduce-scatter",
+    "reduce-scatter-start",
     "all-gather",
     "all-gather-start",
     "all-to-all",
@@ -45,10 +48,14 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_SINGLE_CALLEE = re.compile(
-  r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
-  r"=%?([\w.\-]+)"
+_SINGLE_CALLEE = re.compile(r"\b(?:calls|to_apply|condition|body)=%?([\w.\-]+)")
+# XLA:GPU prints a two-way conditional with a ``pred`` index this way; its
+# branches are listed here in index order, false first, as
+# ``branch_computations`` lists them.
+_PRED_BRANCHES = re.compile(
+  r"\btrue_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)"
 )
+_OP_NAME = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
 _CALLEE_LIST = re.compile(
   r"\b(?:branch_computations|called_computations)=\{([^}]*)\}"
 )
@@ -66,6 +73,9 @@ class HloInstruction(NamedTuple):
       reducers), in the order printed.
     trip_count: for a ``while`` whose trip count XLA knows (a ``lax.scan``),
       that count; otherwise None.
+    op_name: the JAX operation it was compiled from, with its name scopes
+      (``jit(step)/ga_optax_close_window/while``, say), from its metadata;
+      empty where the compiler gave none.
   """
 
   name: str
@@ -74,6 +84,7 @@ class HloInstruction(NamedTuple):
   operands: tuple[str, ...]
   callees: tuple[str, ...]
   trip_count: int | None = None
+  op_name: str = ""
 
 
 class HloModule(NamedTuple):
@@ -166,9 +177,12 @@ def _parse_instruction(line: str) -> HloInstruction | None:
   )
   attributes = rest[operands_end + 1 :]
   callees = list(_SINGLE_CALLEE.findall(attributes))
+  for true_branch, false_branch in _PRED_BRANCHES.findall(attributes):
+    callees.extend([false_branch, true_branch])
   for listed in _CALLEE_LIST.findall(attributes):
     callees.extend(callee.strip().lstrip("%") for callee in listed.split(","))
   trip_count = _TRIP_COUNT.search(attributes)
+  op_name = _OP_NAME.search(attributes)
   return HloInstruction(
     name.lstrip("%"),
     opcode,
@@ -176,6 +190,7 @@ def _parse_instruction(line: str) -> HloInstruction | None:
     operands,
     tuple(callees),
     int(trip_count.group(1)) if trip_count else None,
+    op_name.group(1) if op_name else "",
   )
 
 
@@ -249,8 +264,9 @@ def reachable(
     root: name of the computation to start from, for example
       ``module.entry``.
     excluded: names of computations not to enter, nor what only they call.
-    into_branches: whether to enter the branches of conditionals; without,
-      only what runs whenever ``root`` runs is reached.
+    into_branches: whether to enter the branches of conditionals and the
+      two sides of a window (loops of at most one trip); without, only what
+      runs whenever ``root`` runs is reached.
 
   Returns:
     The names of the computations reached, ``root`` included.
@@ -273,9 +289,28 @@ def reachable(
       continue
     seen.add(computation)
     for instruction in module.computations.get(computation, ()):
-      if into_branches or instruction.opcode != "conditional":
+      branch = (
+        instruction.opcode == "conditional"
+        or window_side(instruction) is not None
+      )
+      if into_branches or not branch:
         frontier.extend(instruction.callees)
   return seen
+
+
+def window_side(instruction: HloInstruction) -> str | None:
+  """Which side of a window a ``while`` is, from its scope; None if neither.
+
+  Each side of ga_optax's window is a loop of at most one trip, a branch
+  rather than a loop, named by a scope of :mod:`ga_optax._src.run_once`.
+  """
+  if instruction.opcode != "while":
+    return None
+  scopes = instruction.op_name.split("/")
+  for side in (run_once.KEEP_OPEN, run_once.CLOSE_WINDOW):
+    if side in scopes:
+      return side
+  return None
 
 
 def collectives_in_hlo(

@@ -11,12 +11,14 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from ga_optax._src import run_once
 from ga_optax._src.hlo import (
   Collective,
   HloModule,
   collectives_in_hlo,
   parse_hlo,
   reachable,
+  window_side,
 )
 
 _LAYOUT = re.compile(r"\{[^{}]*\}")
@@ -43,11 +45,14 @@ class WindowCollectives(NamedTuple):
 def window_collectives(hlo_text: str) -> WindowCollectives:
   """Splits the collectives of a compiled step by whether a window closes.
 
-  ``accumulate`` closes a window in the true branch of a ``lax.cond``, which
-  compiles to the last branch of an HLO ``conditional``. This finds the
-  conditional branches (outside any other branch) that hold collectives,
-  checks that there is exactly one and that it is the last branch of its
-  conditional, and reports the collectives inside and outside it.
+  ``accumulate`` closes a window in a loop of at most one trip named by its
+  scope (``ga_optax_close_window``); a window written by hand with
+  ``lax.cond`` closes it in the true branch, the last branch of an HLO
+  ``conditional`` (XLA:GPU prints it as ``true_computation``). This finds
+  the window's closing loop, or else the conditional branches (outside any
+  other branch) that hold collectives, checks that there is exactly one and
+  that it is the last branch of its conditional, and reports the
+  collectives inside and outside it.
 
   Args:
     hlo_text: ``jax.jit(step).lower(*args).compile().as_text()``.
@@ -73,6 +78,41 @@ def window_collectives(hlo_text: str) -> WindowCollectives:
     ([], [])
   """
   module = parse_hlo(hlo_text)
+  closing_bodies = [
+    instruction.callees[-1]
+    for instructions in module.computations.values()
+    for instruction in instructions
+    if window_side(instruction) == run_once.CLOSE_WINDOW
+  ]
+  if closing_bodies:
+    # The outermost one: a window whose weight is known only after its
+    # reduction closes in a second loop inside the first.
+    closing = next(
+      body
+      for body in closing_bodies
+      if not any(
+        body in reachable(module, other) - {other}
+        for other in closing_bodies
+        if other != body
+      )
+    )
+    window_closing = collectives_in_hlo(
+      module,
+      set().union(*(reachable(module, body) for body in closing_bodies)),
+    )
+    return WindowCollectives(
+      every_micro_step=collectives_in_hlo(
+        module,
+        reachable(module, module.entry, excluded=set(closing_bodies)),
+      ),
+      window_closing=window_closing,
+      closing_branch=closing if window_closing else None,
+    )
+  return _conditional_window_collectives(module)
+
+
+def _conditional_window_collectives(module: HloModule) -> WindowCollectives:
+  """:func:`window_collectives` for a window closed by a ``lax.cond``."""
   branch_roles: dict[str, bool] = {}
   pending, visited = [module.entry], set()
   # Walks the call graph without entering branches: the outermost
@@ -131,7 +171,8 @@ def loop_collectives(hlo_text_or_module: str | HloModule) -> list[Collective]:
 
   A ``lax.scan`` or ``lax.fori_loop`` compiles to an HLO ``while``; this
   returns the collectives in the computations reachable from the body or the
-  condition of any ``while`` in the module, without entering the branches
+  condition of any ``while`` in the module (but the window's own loops of
+  at most one trip, which are branches), without entering the branches
   of conditionals: a collective in a branch runs only on the iterations
   that take it (the closing branch of a window run as a scan over
   ``tx.update``, say), which :func:`window_collectives` finds. A loop over
@@ -160,11 +201,12 @@ def loop_collectives(hlo_text_or_module: str | HloModule) -> list[Collective]:
     []
   """
   module = _as_module(hlo_text_or_module)
+  # A window's side is a loop of at most one trip: a branch, not a loop.
   loop_roots = [
     callee
     for instructions in module.computations.values()
     for instruction in instructions
-    if instruction.opcode == "while"
+    if instruction.opcode == "while" and window_side(instruction) is None
     for callee in instruction.callees
   ]
   in_loops = set().union(

@@ -277,7 +277,7 @@ class Measured:
 
   Each micro-step adds its share of ``sum_i w_i |g_i|^2`` and of K on the
   device that computed it (the parallel strategy says what a device's
-  micro-gradient is); the closing branch reduces those two scalars over the
+  micro-gradient is); the closing side reduces those two scalars over the
   devices, forms the window's estimates from them and the reduced mean
   gradient, and folds them into the averages.
   """

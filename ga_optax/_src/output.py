@@ -2,11 +2,11 @@
 
 ``accumulate`` is a ``GradientTransformation``: every call returns updates,
 zeros until a window closes. ``accumulate_and_apply`` returns the params,
-changed only when a window closes. Either way the window's conditional has
-one output of the updates' (or params') type, and its open branch must only
-forward an operand into it (see docs/compiled-window.md): each strategy here
-says which operand, what the closing branch puts in its place, and what the
-caller sees.
+changed only when a window closes. Either way the closing side of the window
+writes its output into a buffer of the updates' (or params') type that it
+carries, in place (see docs/compiled-window.md): each strategy here says
+which buffer, what the closing side writes into it, and what the caller
+sees.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import optax
 class EmitUpdates:
   """``accumulate``: updates, zeros until the window closes.
 
-  The open branch forwards the first operand of the updates' shapes whose
-  dtypes hold the updates exactly: the accumulator, whose sum the optimizer
-  has read by then, or the micro-step's gradients, dead once added. A select
-  after the conditional makes zeros of it on micro-steps that do not close
-  the window, and XLA fuses that select into the caller's
-  ``apply_updates``. With no such operand the zeros are an operand made
-  outside the conditional.
+  The closing side writes the updates into the first buffer of the updates'
+  shapes whose dtypes hold them exactly: the accumulator, whose sum the
+  optimizer has read by then, or the micro-step's gradients, dead once
+  added. A select after the window makes zeros of it on micro-steps that do
+  not close the window, and XLA fuses that select into the caller's
+  ``apply_updates``. With no such buffer the closing side writes into zeros
+  made for it.
   """
 
   def carrier(self, updates_like: Any, carriers: dict[str, Any]) -> str:
-    """The name of the operand the open branch forwards; ``"zeros"`` if none."""
+    """The name of the buffer the output is written into; ``"zeros"`` if none."""
     for name, operand in carriers.items():
       if _fits_exactly(updates_like, operand):
         return name
@@ -62,9 +62,9 @@ class EmitUpdates:
 class ApplyToParams:
   """``accumulate_and_apply``: the params, stepped when the window closes.
 
-  The open branch forwards the params themselves, in place when they are
-  donated to ``jit``: a micro-step that does not close the window neither
-  reads nor writes them.
+  The closing side writes the new params over the params, in place when
+  they are donated to ``jit``: a micro-step that does not close the window
+  neither reads nor writes them.
   """
 
   def carrier(self, updates_like: Any, carriers: dict[str, Any]) -> str:

@@ -216,8 +216,9 @@ def plan_microbatch(
   ``memory_budget_bytes``: every divisor of ``global_batch_size`` when it is
   given (so that ``num_microbatches * micro_batch_size == global_batch_size``), else every
   size up to ``max_micro_batch_size``. The search assumes that bytes grow with the
-  micro-batch size, as activations do; the plan reports the next size up,
-  which does not fit, so the boundary can be checked.
+  micro-batch size, as activations do, from the first size that fits; the
+  plan reports the next size up, which does not fit, so the boundary can be
+  checked.
 
   Leave headroom in the budget for what the analysis does not see: the
   runtime's own allocations, fragmentation, and other live arrays. State kept
@@ -301,21 +302,33 @@ def plan_microbatch(
     return measured[size]
 
   sizes = candidates or _SizesUpTo(max_micro_batch_size)
-  if bytes_at(sizes[0]) > budget:
+
+  def fits(index: int) -> bool:
+    return bytes_at(sizes[index]) <= budget
+
+  # Gallops up to the first size that fits and on to the first after it
+  # that does not. A compiler may give a micro-batch of one a costlier
+  # program than a micro-batch of two (an outer product instead of a matrix
+  # product, and a copy to the layout the window wants), so a smallest size
+  # that does not fit does not end the search.
+  low, probe = None, 0
+  while probe < len(sizes):
+    if fits(probe):
+      low = probe
+    elif low is not None:
+      break
+    probe = 2 * probe if probe else 1
+  if low is None:
     raise ValueError(
       f"memory_budget_bytes={budget} is below what a micro-batch of"
       f" {sizes[0]} needs ({bytes_at(sizes[0])} bytes): raise the budget,"
       " shrink the model or rematerialise activations (jax.checkpoint)."
     )
   # Invariant: sizes[low] fits; sizes[high] does not, or high is past the end.
-  low, high = 0, len(sizes)
-  probe = 1
-  while probe < high and bytes_at(sizes[probe]) <= budget:
-    low, probe = probe, min(2 * probe, high)
-  high = min(high, probe) if probe < len(sizes) else high
+  high = min(probe, len(sizes))
   while high - low > 1:
     middle = (low + high) // 2
-    if bytes_at(sizes[middle]) <= budget:
+    if fits(middle):
       low = middle
     else:
       high = middle

@@ -166,14 +166,17 @@ def accumulate(
   the dtypes ``optimizer`` gives for those gradients, and the state keeps
   its dtypes from call to call. Complex params get a complex accumulator.
 
-  Under ``jax.vmap`` (several models trained side by side) the window's
-  ``lax.cond`` gets a batched predicate and becomes a select: both branches
-  run on every micro-step, so each micro-step pays for a full step of
-  ``optimizer`` plus a select over its state and updates, as
-  ``optax.MultiSteps`` always does. The results are unchanged, even for
-  models whose windows are out of phase. Under ``jit``, ``pmap`` and
-  ``jax.shard_map`` the predicate is a scalar and only one branch runs.
-  Called outside ``jit``, ``update`` compiles once per shapes and dtypes.
+  Each side of the window (keep it open, or close it) is a loop of at most
+  one trip, which XLA:GPU compiles without copying the optimizer state (see
+  docs/compiled-window.md). Under ``jax.vmap`` (several models trained side
+  by side) a loop gets a batched predicate and runs while any model needs
+  it, selecting per model: a micro-step then pays for a full step of
+  ``optimizer`` whenever one model's window closes. The results are
+  unchanged, even for models whose windows are out of phase. Under ``jit``,
+  ``pmap`` and ``jax.shard_map`` the predicate is a scalar and only one side
+  runs. ``update`` can be differentiated in forward mode (``jax.jvp``) but
+  not in reverse mode, as any ``lax.while_loop``. Called outside ``jit``,
+  ``update`` compiles once per shapes and dtypes.
 
   Args:
     optimizer: the optax transformation to apply once per window: a chain,
@@ -204,7 +207,7 @@ def accumulate(
       ``update`` takes gradients unreduced over them (from
       :func:`ga_optax.unreduced_value_and_grad`) and adds them with no
       collective, and the closing call reduces the accumulator once, inside
-      the branch that closes the window. ``weight`` is then the
+      the side that closes the window. ``weight`` is then the
       micro-batch's global weight. Checkpoint such a state mid-window
       through :func:`ga_optax.stack_partial_sums`.
     accumulator_memory_kind: a memory kind of the device to keep the
@@ -367,10 +370,10 @@ def accumulate_and_apply(
   state, params)`` followed by ``optax.apply_updates(params, updates)`` with
   ``tx = ga_optax.accumulate(optimizer, every_k, ...)`` (same arguments, same
   state, same ``weight=``, ``flush=`` and extra keyword arguments), but the
-  params are updated inside the conditional that runs ``optimizer``: a
-  micro-step that does not close the window hands the params back untouched
-  (in place when they are donated to ``jax.jit``) instead of adding zero
-  updates to them.
+  params are updated by the side of the window that runs ``optimizer``: a
+  micro-step that does not close the window leaves the params untouched (in
+  place when they are donated to ``jax.jit``) instead of adding zero updates
+  to them.
 
   Prefer it to ``accumulate`` in a hand-written train step that owns its
   params (memory-bound models, where reading and writing the params is a

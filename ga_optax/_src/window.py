@@ -1,11 +1,11 @@
-"""The window's life cycle: admit, decide, add, and the conditional that closes it.
+"""The window's life cycle: admit, decide, add, and the side that closes it.
 
 Each ``update`` call is one micro-step: :meth:`Window.admit` says whether it
 counts and with what weight, :meth:`Window.decide` whether the window closes,
-:meth:`Window.add` adds the weighted gradient into the accumulator, and one
-``lax.cond`` (:class:`Closing`) either keeps the window open, handing its
-operands back untouched, or closes it: reduce over the devices, normalise,
-step the wrapped optimizer once.
+and :class:`MicroStep` runs one of its two sides: keep the window open
+(add the weighted gradient into the accumulator), or close it (add the last
+gradient, reduce over the devices, normalise, step the wrapped optimizer
+once).
 
 Four choices made once from the arguments are strategies the window calls
 without asking which kind it holds: where the window lives across devices
@@ -14,13 +14,12 @@ without asking which kind it holds: where the window lives across devices
 (:mod:`ga_optax._src.output`), and whether the gradient noise scale is
 measured (:mod:`ga_optax._src.noise_scale`).
 
-How buffers flow decides the cost (see docs/benchmarks.md): the gradient is
-added into the accumulator outside any conditional, in place, and the first
-micro-step of a window overwrites instead of adding, so no call spends a
-pass zeroing it. The conditional takes the inner state (and the params) as
-operands that the open branch hands back untouched, so XLA aliases them with
-no copy, and its open branch does nothing but forward operands, so XLA:GPU
-keeps it a conditional (see docs/compiled-window.md).
+How buffers flow decides the cost (see docs/compiled-window.md): each side
+is a loop of at most one trip (:mod:`ga_optax._src.run_once`) that carries
+only what it writes, in place, so a micro-step copies nothing on XLA:GPU;
+the first micro-step of a window overwrites the accumulator instead of
+adding, so no call spends a pass zeroing it; and the closing side adds the
+last gradient in the optimizer's own pass, so the accumulator is read once.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src import dtypes, every_k, residency, validation
+from ga_optax._src import dtypes, every_k, residency, run_once, validation
 from ga_optax._src.noise_scale import Measured, Unmeasured
 from ga_optax._src.output import ApplyToParams, EmitUpdates
 from ga_optax._src.parallel import Parallel
@@ -53,7 +52,8 @@ class Decision(NamedTuple):
   Attributes:
     micro_step: the open window's micro-steps, this one included.
     closes: the window closes on this call (full, or flushed).
-    steps: the conditional takes its closing branch.
+    steps: the call runs the closing side (a window that closes with no
+      weight on a device that knows the window's whole weight does not).
     scale: what the accumulator is multiplied by as the gradient is added
       (``1 / weight_sum`` when this call closes a window whose weight is
       known on this device, else 1).
@@ -155,39 +155,38 @@ class Window:
 
     admitted = self.admit(grads, state, weight)
     decision = self.decide(state, admitted, flush)
-    accumulator = self.add(state, grads, weight, admitted, decision)
-    noise = self.noise.add(
-      state.noise_scale, grads, weight, admitted.accepted, self.parallel
+    micro_step = MicroStep(
+      self, grads, state, params, weight, admitted, decision, extra_args
     )
-    closing = Closing(self, grads, state, params, extra_args)
-    output, inner_state, noise, stepped = jax.lax.cond(
+    opened = run_once.run_once_if(
+      ~decision.steps,
+      micro_step.keep_open,
+      micro_step.open_carry(),
+      name=run_once.KEEP_OPEN,
+    )
+    closed = run_once.run_once_if(
       decision.steps,
-      functools.partial(closing.close, weight_sum=admitted.weight_sum),
-      closing.keep_open,
-      closing.operands(
-        accumulator,
-        self.inner_state_home.keep(state.inner_state),
-        noise,
-        predicate=decision.steps,
-      ),
+      functools.partial(micro_step.close, opened["accumulator"]),
+      micro_step.closing_carry(opened),
+      name=run_once.CLOSE_WINDOW,
     )
+    output = closed[micro_step.carrier]
+    accumulator = closed.get("accumulator", opened["accumulator"])
     new_state = AccumulateState(
       micro_step=jnp.where(decision.closes, 0, decision.micro_step),
-      update_step=increment_if(state.update_step, stepped),
+      update_step=increment_if(state.update_step, closed["stepped"]),
       num_skipped=increment_if(state.num_skipped, ~admitted.accepted),
-      emitted=stepped,
+      emitted=closed["stepped"],
       weight_sum=jnp.where(
         decision.closes,
         jnp.zeros_like(admitted.weight_sum),
         admitted.weight_sum,
       ),
-      accumulator=self.accumulator_home.keep(
-        output if closing.carrier == "accumulator" else accumulator
-      ),
-      inner_state=inner_state,
-      noise_scale=self.noise.reset(noise, decision.closes),
+      accumulator=self.accumulator_home.keep(accumulator),
+      inner_state=closed["inner_state"],
+      noise_scale=closed["noise"],
     )
-    return closing.emit(output, stepped), new_state
+    return micro_step.emit(output, closed["stepped"]), new_state
 
   def admit(
     self, grads: optax.Updates, state: AccumulateState, weight: Any
@@ -217,8 +216,9 @@ class Window:
 
   def add(
     self,
-    state: AccumulateState,
+    accumulator: optax.Updates,
     grads: optax.Updates,
+    state: AccumulateState,
     weight: Any,
     admitted: Admitted,
     decision: Decision,
@@ -226,10 +226,7 @@ class Window:
     """The accumulator with ``weight * grads`` added, scaled by ``decision``.
 
     The first micro-step of a window overwrites the stale buffer: a select,
-    not a multiply, since a stale buffer may hold anything, NaN too. An
-    accumulator kept in another memory kind is brought to the device leaf
-    by leaf, each once its gradient is there; the sum stays on the device
-    until the state is put back.
+    not a multiply, since a stale buffer may hold anything, NaN too.
     """
     restarts = state.micro_step == 0
     weight = self.parallel.factor(weight)
@@ -243,19 +240,28 @@ class Window:
         added = jnp.where(admitted.accepted, added, total)
       return added * scale.astype(added.dtype) if scaled else added
 
-    accumulator = residency.to_device_after(state.accumulator, grads)
     return jax.tree.map(add_grad, accumulator, grads)
 
 
 @dataclasses.dataclass
-class Closing:
-  """The two branches of a micro-step's conditional, and what they return.
+class MicroStep:
+  """One ``update`` call's two sides: keep the window open, or close it.
+
+  Each side is the body of a loop of at most one trip
+  (:func:`ga_optax._src.run_once.run_once_if`) and carries only what it
+  writes: keeping the window open adds the gradient into the accumulator;
+  closing it adds the last gradient, reduces over the devices, normalises
+  and steps the wrapped optimizer once, writing its output (updates, or new
+  params) into the :attr:`carrier`'s buffer.
 
   Attributes:
     window: the accumulation's configuration.
-    grads: this micro-step's gradients (for their tree and dtypes).
+    grads: this micro-step's gradients.
     state: the state before this micro-step.
     params: the params (None when the transformation is called without).
+    weight: this micro-step's weight.
+    admitted: whether it counts, and the window's weight with it.
+    decision: what it does to the window.
     extra_args: forwarded to the inner optimizer.
   """
 
@@ -263,7 +269,20 @@ class Closing:
   grads: optax.Updates
   state: AccumulateState
   params: optax.Params | None
+  weight: Any
+  admitted: Admitted
+  decision: Decision
   extra_args: dict[str, Any]
+
+  @functools.cached_property
+  def accumulator(self) -> optax.Updates:
+    """The accumulator on the device, each leaf once its gradient is there.
+
+    Left free, XLA would start moving an accumulator kept in another memory
+    kind at the very beginning of the program, and it would hold device
+    memory through the forward and backward pass.
+    """
+    return residency.to_device_after(self.state.accumulator, self.grads)
 
   @functools.cached_property
   def updates_like(self) -> Any:
@@ -284,40 +303,58 @@ class Closing:
 
   @functools.cached_property
   def carrier(self) -> str:
-    """The operand the open branch forwards in the output's place."""
+    """The buffer the closing side writes its output into."""
     carriers = self.window.parallel.carriers(self.state.accumulator, self.grads)
     return self.window.output.carrier(self.updates_like, carriers)
 
-  def operands(
-    self,
-    accumulator: Any,
-    inner_state: Any,
-    noise: Any,
-    *,
-    predicate: jax.Array,
-  ) -> dict[str, Any]:
-    """What the conditional takes: all that either branch reads or returns.
+  def added(self, accumulator: optax.Updates, grads: optax.Updates) -> Any:
+    """``accumulator`` with this micro-step's gradient added."""
+    return self.window.add(
+      accumulator, grads, self.state, self.weight, self.admitted, self.decision
+    )
 
-    XLA:GPU turns a conditional whose two branches hold only cheap
-    (elementwise) ops into selects that run both branches, which would run
-    the optimizer on every micro-step. It keeps a conditional one of whose
-    branches only forwards its operands, so everything the open branch
-    returns is an operand made outside it: its ``False`` flag is the
-    predicate itself (a constant would be folded into the branch), and its
-    output is the :attr:`carrier`.
+  def open_carry(self) -> dict[str, Any]:
+    """What keeping the window open writes: the accumulator, the noise sums."""
+    return {"accumulator": self.accumulator, "noise": self.state.noise_scale}
+
+  def keep_open(self, carry: dict[str, Any]) -> dict[str, Any]:
+    """The side of a micro-step that does not step the optimizer.
+
+    It adds the gradient; a window that closes here (flushed, or full, with
+    no weight) emits nothing and starts anew.
     """
-    operands = {
-      "params": self.params,
-      "accumulator": accumulator,
-      "inner_state": inner_state,
-      "noise": noise,
-      "not_stepped": predicate,
+    noise: Any = self.window.noise.add(
+      carry["noise"],
+      self.grads,
+      self.weight,
+      self.admitted.accepted,
+      self.window.parallel,
+    )
+    return {
+      "accumulator": self.added(carry["accumulator"], self.grads),
+      "noise": self.window.noise.reset(noise, self.decision.closes),
     }
-    if self.carrier == "grads":
-      operands["grads"] = self.grads
-    elif self.carrier == "zeros":
-      operands["zeros"] = optax.tree.zeros_like(self.updates_like)
-    return operands
+
+  def closing_carry(self, opened: dict[str, Any]) -> dict[str, Any]:
+    """What closing the window writes, its output's buffer among them.
+
+    The accumulator is carried only when it is that buffer; otherwise the
+    closing side reads it where keeping the window open left it.
+    """
+    carry = {
+      "inner_state": self.window.inner_state_home.keep(self.state.inner_state),
+      "noise": opened["noise"],
+      "stepped": jnp.zeros((), jnp.bool_),
+    }
+    if self.carrier == "accumulator":
+      carry["accumulator"] = opened["accumulator"]
+    elif self.carrier == "grads":
+      carry["grads"] = self.grads
+    elif self.carrier == "params":
+      carry["params"] = self.params
+    else:
+      carry["zeros"] = optax.tree.zeros_like(self.updates_like)
+    return carry
 
   def normalised(self, sums: Any, weight_sum: jax.Array) -> Any:
     """The reduced window's mean, where its weight was not known before."""
@@ -329,55 +366,59 @@ class Closing:
     scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
     return jax.tree.map(lambda total: total * scale.astype(total.dtype), sums)
 
-  def keep_open(
-    self, operands: dict[str, Any]
-  ) -> tuple[Any, Any, Any, jax.Array]:
-    """The open branch: operands handed back untouched, and nothing else."""
-    return (
-      operands[self.carrier],
-      operands["inner_state"],
-      operands["noise"],
-      operands["not_stepped"],
-    )
-
   def close(
-    self, operands: dict[str, Any], *, weight_sum: Any
-  ) -> tuple[Any, Any, Any, jax.Array]:
-    """The closing branch: reduce, normalise, step the optimizer once."""
+    self, opened_accumulator: optax.Updates, carry: dict[str, Any]
+  ) -> dict[str, Any]:
+    """The closing side: add, reduce, normalise, step the optimizer once.
+
+    ``opened_accumulator`` is the accumulator as keeping the window open
+    left it (untouched, since this side runs instead), read when it does not
+    carry the output.
+    """
     window = self.window
+    # A buffer that carries the output is read from the carry, so that it
+    # is overwritten in place rather than copied.
+    grads = carry.get("grads", self.grads)
+    accumulator = carry.get("accumulator", opened_accumulator)
+    noise = window.noise.add(
+      carry["noise"],
+      grads,
+      self.weight,
+      self.admitted.accepted,
+      window.parallel,
+    )
     sums, total_weight = window.parallel.reduce(
-      operands["accumulator"], weight_sum, operands["params"]
+      self.added(accumulator, grads),
+      self.admitted.weight_sum,
+      carry.get("params", self.params),
     )
     sums = self.normalised(sums, total_weight)
     reduced = jax.tree.map(
       lambda total, grad: total.astype(grad.dtype), sums, self.grads
     )
-    if self.carrier == "zeros":
-      # XLA folds zeros handed to a conditional into the branch that returns
-      # them, which then no longer only forwards its operands. A barrier is
-      # an op XLA:GPU does not turn into selects: the conditional stays.
-      reduced = jax.lax.optimization_barrier(reduced)
+    carry = {**carry, "noise": noise}
     step = functools.partial(self.step_inner, reduced, total_weight)
     if window.parallel.weights_are_global:
-      return step(operands)
-    # Only here is the window's total weight known: a nested conditional,
-    # whose open branch also only forwards operands, keeps an empty window
-    # from stepping.
-    has_weight = total_weight > 0
-    return jax.lax.cond(
-      has_weight,
-      step,
-      self.keep_open,
-      {**operands, "accumulator": sums, "not_stepped": has_weight},
-    )
+      closed = step(carry)
+    else:
+      # Only here is the window's total weight known: an empty window does
+      # not step.
+      closed = run_once.run_once_if(
+        total_weight > 0, step, carry, name=run_once.CLOSE_WINDOW
+      )
+    return {
+      **closed,
+      "noise": window.noise.reset(closed["noise"], jnp.asarray(True)),
+    }
 
   def step_inner(
-    self, reduced: Any, total_weight: jax.Array, operands: dict[str, Any]
-  ) -> tuple[Any, Any, Any, jax.Array]:
+    self, reduced: Any, total_weight: jax.Array, carry: dict[str, Any]
+  ) -> dict[str, Any]:
     """The wrapped optimizer's one step on the window's reduced gradient."""
-    window, params = self.window, operands["params"]
+    window = self.window
+    params = carry.get("params", self.params)
     # A state kept in host memory visits the device here, and only here.
-    inner_state = residency.to_device(operands["inner_state"])
+    inner_state = residency.to_device(carry["inner_state"])
     updates, new_inner_state = window.parallel.inner_update(
       window.inner, reduced, inner_state, params, self.extra_args
     )
@@ -386,16 +427,21 @@ class Closing:
     new_inner_state = window.inner_state_home.keep(
       _with_dtypes_of(new_inner_state, inner_state)
     )
-    output = window.output.closing_output(
-      updates, params, operands[self.carrier]
-    )
     noise = window.noise.close(
-      operands["noise"], reduced, total_weight, window.parallel
+      carry["noise"], reduced, total_weight, window.parallel
     )
-    return output, new_inner_state, noise, jnp.asarray(True)
+    return {
+      **carry,
+      self.carrier: window.output.closing_output(
+        updates, params, carry[self.carrier]
+      ),
+      "inner_state": new_inner_state,
+      "noise": noise,
+      "stepped": jnp.ones((), jnp.bool_),
+    }
 
   def emit(self, output: Any, stepped: jax.Array) -> Any:
-    """The conditional's output as the caller sees it."""
+    """The closing side's output as the caller sees it."""
     return self.window.output.emit(
       output, stepped, self.updates_like, self.carrier
     )

@@ -41,7 +41,7 @@ class Parallel(Protocol):
   def weights_are_global(self) -> bool:
     """Whether each device knows the window's whole weight before reducing.
 
-    Then an empty window is known before the conditional, and the mean is
+    Then an empty window is known before the window closes, and the mean is
     formed as the last gradient is added.
     """
     ...

@@ -5,7 +5,7 @@ batch sharded over Explicit axes) types a per-device partial sum as
 ``unreduced`` over the batch's axes. Gradients of that type (from
 :func:`ga_optax.unreduced_value_and_grad`) go into an accumulator of the
 same type with no collective; the call that closes the window reduces it
-once, inside its branch of the conditional. Where the reduced window lands
+once, on the side of the window that closes it. Where the reduced window lands
 and how the optimizer steps on it is the optimizer state's placement:
 whole on every device (:class:`WholeState`), or sharded over mesh axes
 (ZeRO-1, :class:`ga_optax._src.parallel.zero.ShardedState`).

@@ -1,0 +1,223 @@
+"""Compiling a step with the real XLA:GPU compiler, on a machine without a GPU.
+
+JAX's CUDA plugin can compile for a GPU it does not have: a topology made
+from a GPU description (``jax.experimental.topologies.get_topology_desc``
+with a ``GpuTargetConfigProto``) gives compile-only devices, and a step
+lowered on abstract arrays placed on them compiles through the whole GPU
+pipeline: fusion, the GPU's own conditional and copy passes, collectives
+as the GPU runs them. ``as_text()`` and ``memory_analysis()`` then read the
+program a GPU would run; ``cost_analysis()`` and memory kinds are not
+available on such devices.
+
+It needs the CUDA plugin (``pip install "jax[cuda13]"``); on a machine with
+no GPU, JAX must also be started with ``JAX_PLATFORMS=cpu``, or the plugin
+fails to initialise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import (
+  Mesh,
+  NamedSharding,
+  PartitionSpec,
+  SingleDeviceSharding,
+)
+
+# The device description XLA:GPU compiles for: an H100 SXM (compute
+# capability 9.0, 132 SMs, 80 GB of HBM3 at 3.35 TB/s), as its CUDA driver
+# reports it, and the CUDA runtime the plugin is built for.
+H100 = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84978434048
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+runtime_version { major: 13 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+TARGETS = {"h100": H100}
+
+
+class GpuCompilerUnavailable(RuntimeError):
+  """The CUDA plugin, which holds XLA:GPU, cannot be used here."""
+
+
+def gpu_devices(num_devices: int = 1, *, target: str = "h100") -> list[Any]:
+  """Compile-only GPU devices: ``num_devices`` GPUs of one host.
+
+  Args:
+    num_devices: how many GPUs the host has (1 to 8, say).
+    target: ``"h100"``, or the text of a ``GpuTargetConfigProto`` for
+      another GPU.
+
+  Returns:
+    The devices, to build a ``jax.sharding.Mesh`` on or to place abstract
+    arrays on; they compile programs and cannot run them.
+
+  Raises:
+    TypeError, ValueError: a bad ``num_devices`` or ``target``.
+    GpuCompilerUnavailable: the CUDA plugin is not installed, or could not
+      start (set ``JAX_PLATFORMS=cpu`` on a machine without a GPU).
+  """
+  if isinstance(num_devices, bool) or not isinstance(num_devices, int):
+    raise TypeError(f"num_devices must be an int, got {num_devices!r}.")
+  if num_devices < 1:
+    raise ValueError(f"num_devices must be at least 1, got {num_devices}.")
+  if not isinstance(target, str):
+    raise TypeError(
+      "target must be 'h100' or the text of a GpuTargetConfigProto, got"
+      f" {type(target).__name__}."
+    )
+  config = TARGETS.get(target, target)
+  if "gpu_device_info" not in config:
+    raise ValueError(
+      f"target must be one of {sorted(TARGETS)} or the text of a"
+      f" GpuTargetConfigProto (with a gpu_device_info), got {target!r}."
+    )
+  try:
+    topology = topologies.get_topology_desc(
+      platform="cuda", target_config=config, topology=f"1x1x{num_devices}"
+    )
+  except (NotImplementedError, RuntimeError, ValueError) as error:
+    raise GpuCompilerUnavailable(
+      "XLA:GPU is not available: install JAX's CUDA plugin (pip install"
+      ' "jax[cuda13]") and, on a machine without a GPU, start JAX with'
+      f" JAX_PLATFORMS=cpu. ({type(error).__name__}: {error})"
+    ) from error
+  return list(topology.devices)
+
+
+def compile_for_gpu(
+  fun: Callable[..., Any],
+  *args: Any,
+  num_devices: int = 1,
+  target: str = "h100",
+  donate_argnums: int | Sequence[int] = (),
+) -> jax.stages.Compiled:
+  """Compiles ``fun(*args)`` with XLA:GPU, for GPUs this machine need not have.
+
+  Each array leaf of ``args`` (an array, or a ``jax.ShapeDtypeStruct``)
+  becomes an abstract array of its shape and dtype on the GPUs. On one GPU
+  it is placed on it; on several, a leaf placed by a ``NamedSharding`` keeps
+  its partition spec on a mesh of the GPUs with the same axis names, sizes
+  and types (build ``args`` on a CPU mesh of ``num_devices`` devices, say
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=8``), and any other
+  leaf is replicated. That mesh is also set around the compilation, so a
+  ``jax.shard_map`` that takes its mesh from the context, and a step typed
+  for Explicit axes, compile as they would on the GPUs. Python scalars and
+  other non-array leaves are passed as they are.
+
+  Args:
+    fun: the step, as one would pass it to ``jax.jit``.
+    *args: its arguments.
+    num_devices: the GPUs of the host to compile for.
+    target: ``"h100"``, or the text of a ``GpuTargetConfigProto``.
+    donate_argnums: the arguments donated, as for ``jax.jit`` (donate the
+      params and the optimizer state, as a training loop does: what the
+      program copies depends on it).
+
+  Returns:
+    The compiled program: ``as_text()`` and ``memory_analysis()`` work, and
+    the audits of :mod:`ga_optax.testing` read it.
+
+  Raises:
+    GpuCompilerUnavailable: the CUDA plugin cannot be used here.
+    ValueError: the arguments are placed on meshes of different axes, or of
+      another device count than ``num_devices``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> from ga_optax import testing
+    >>> tx = ga_optax.accumulate(optax.adam(1e-3), 4)
+    >>> params = {"w": jnp.ones((1024, 1024))}
+    >>> def step(params, state, grads):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   return optax.apply_updates(params, updates), state
+    >>> compiled = testing.compile_for_gpu(  # doctest: +SKIP
+    ...     step, params, tx.init(params), params, donate_argnums=(0, 1))
+    >>> testing.path_audit(compiled, "micro_step").copies  # doctest: +SKIP
+    []
+  """
+  devices = gpu_devices(num_devices, target=target)
+  mesh = _gpu_mesh(args, devices)
+
+  def abstract(leaf: Any) -> Any:
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+      return leaf
+    sharding = (
+      SingleDeviceSharding(devices[0])
+      if mesh is None
+      else NamedSharding(mesh, _spec_of(leaf))
+    )
+    return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+  abstract_args = jax.tree.map(abstract, args)
+  jitted = jax.jit(fun, donate_argnums=donate_argnums)
+  if mesh is None:
+    return jitted.trace(*abstract_args).lower().compile()
+  with jax.set_mesh(mesh):
+    return jitted.trace(*abstract_args).lower().compile()
+
+
+def _spec_of(leaf: Any) -> PartitionSpec:
+  sharding = getattr(leaf, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return sharding.spec
+  return PartitionSpec()
+
+
+def _gpu_mesh(args: Any, devices: list[Any]) -> Mesh | None:
+  """A mesh of ``devices`` like the one ``args`` are placed on, or None.
+
+  None on one device. With several, every ``NamedSharding`` among the
+  arguments must be on a mesh of the same axes; with none, the devices
+  form one axis, ``"data"``.
+  """
+  if len(devices) == 1:
+    return None
+  meshes = {
+    (leaf.sharding.mesh.axis_names, leaf.sharding.mesh.axis_sizes,
+     leaf.sharding.mesh.axis_types)
+    for leaf in jax.tree.leaves(args)
+    if isinstance(getattr(leaf, "sharding", None), NamedSharding)
+  }  # fmt: skip
+  if len(meshes) > 1:
+    raise ValueError(
+      "the arguments are placed on meshes of different axes"
+      f" ({sorted(str(mesh[:2]) for mesh in meshes)}); place them all on one"
+      " mesh."
+    )
+  if not meshes:
+    return Mesh(np.asarray(devices), ("data",))
+  names, sizes, types = meshes.pop()
+  if math.prod(sizes) != len(devices):
+    raise ValueError(
+      f"the arguments are placed on a mesh of {math.prod(sizes)} devices"
+      f" {dict(zip(names, sizes, strict=True))}, but num_devices is"
+      f" {len(devices)}; pass num_devices={math.prod(sizes)}."
+    )
+  return jax.make_mesh(sizes, names, axis_types=types, devices=devices)

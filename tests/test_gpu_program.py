@@ -1,0 +1,375 @@
+"""The program XLA:GPU compiles for an H100 keeps the window's promises.
+
+Every step here is compiled by the real XLA:GPU compiler for compile-only
+H100 devices (:func:`ga_optax.testing.compile_for_gpu`), under XLA's
+default flags, params and state donated as a training loop donates them;
+nothing runs. On the compiled program (:func:`ga_optax.testing.path_audit`):
+
+* both sides of the window are there, and nothing compiled from the
+  closing side runs on a micro-step (the optimizer steps only when a window
+  closes);
+* a micro-step copies nothing of a parameter's size;
+* on 8 GPUs a micro-step exchanges scalars at most, and the window's one
+  reduction (a reduce-scatter under ZeRO-1) runs when it closes;
+* bytes moved, against ``optax.MultiSteps``, a plain Adam step and a
+  hand-written ``lax.scan`` window, meet the targets of docs/benchmarks.md.
+
+Two planted controls show that the audits can fail: the conditional window
+of earlier releases copies the optimizer state on every micro-step, and a
+conditional XLA:GPU turns into selects runs the optimizer on every one.
+
+The CUDA plugin holds the compiler: CI installs it and these tests must run
+there; elsewhere they are skipped with the command that enables them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import ga_optax
+from ga_optax import testing
+from ga_optax._src import run_once
+
+MiB = 2**20
+# Params of 1 MiB and more: a copy of one would be seen.
+WIDTH = 512
+# Scalars (a loss, a weight, a finiteness flag) may cross devices on a
+# micro-step; nothing of a parameter's size may.
+SCALAR_BYTES = 64
+
+
+def compiled(step: Callable[..., Any], *args: Any, **options: Any) -> Any:
+  """``step`` compiled by XLA:GPU for H100s, or skipped where it cannot be."""
+  try:
+    return testing.compile_for_gpu(step, *args, **options)
+  except testing.GpuCompilerUnavailable as error:
+    if os.environ.get("CI"):
+      raise
+    pytest.skip(
+      f"{error} To run these tests: pip install 'jax[cuda13]' and run"
+      " pytest with JAX_PLATFORMS=cpu (tests/conftest.py sets it)."
+    )
+
+
+def params_of(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  return {
+    "w": jnp.full((WIDTH, WIDTH), 0.01, dtype),
+    "b": jnp.zeros((WIDTH,), dtype),
+    "scale": jnp.ones((WIDTH,), dtype),
+  }
+
+
+def batch_of(rows: int = 8, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  return {
+    "x": jnp.ones((rows, WIDTH), dtype),
+    "y": jnp.zeros((rows, WIDTH), dtype),
+  }
+
+
+def loss_fn(params, batch):
+  hidden = jnp.tanh(batch["x"] @ params["w"] + params["b"]) * params["scale"]
+  return jnp.mean((hidden - batch["y"]) ** 2).astype(jnp.float32)
+
+
+def accumulate_case(optimizer, dtype=jnp.float32, **options):
+  tx = ga_optax.accumulate(optimizer, options.pop("every_k", 4), **options)
+  params = params_of(dtype)
+
+  def step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params, weight=batch["x"].shape[0])
+    return optax.apply_updates(params, updates), state
+
+  return step, (params, tx.init(params), batch_of(dtype=dtype))
+
+
+def fused_case(optimizer, **options):
+  fused = ga_optax.accumulate_and_apply(optimizer, 4, **options)
+  params = params_of()
+
+  def step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    return fused.apply(params, grads, state, weight=batch["x"].shape[0])
+
+  return step, (params, fused.init(params), batch_of())
+
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)
+ONE_GPU = {
+  "adam": lambda: accumulate_case(optax.adam(1e-3)),
+  "sgd_momentum": lambda: accumulate_case(optax.sgd(0.1, momentum=0.9)),
+  "lion": lambda: accumulate_case(optax.lion(1e-4)),
+  "rmsprop": lambda: accumulate_case(optax.rmsprop(1e-3)),
+  "adamw_schedule": lambda: accumulate_case(optax.adamw(SCHEDULE)),
+  "adafactor": lambda: accumulate_case(optax.adafactor(1e-3)),
+  "clip_adamw": lambda: accumulate_case(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  ),
+  "dict_every_k_skip_nonfinite": lambda: accumulate_case(
+    optax.adam(1e-3), every_k={0: 2, 10: 4}, skip_nonfinite=True
+  ),
+  "sum": lambda: accumulate_case(optax.sgd(0.1), reduction="sum"),
+  "noise_scale": lambda: accumulate_case(
+    optax.adam(1e-3), noise_scale_decay=0.9
+  ),
+  "bf16_params_f32_accumulator": lambda: accumulate_case(
+    optax.adam(1e-3), jnp.bfloat16
+  ),
+  "f16_accumulator_of_f32": lambda: accumulate_case(
+    optax.adam(1e-3), accumulator_dtype=jnp.float16
+  ),
+  "fused_adam": lambda: fused_case(optax.adam(1e-3)),
+  "fused_sgd": lambda: fused_case(optax.sgd(0.1)),
+  "fused_noise_scale": lambda: fused_case(
+    optax.adam(1e-3), noise_scale_decay=0.9
+  ),
+}
+
+
+def assert_the_window_keeps_its_promises(program: Any) -> None:
+  sides = testing.window_sides(program)
+  assert sides["keep_open"] == 1, sides
+  assert sides["close_window"] >= 1, sides
+  micro_step = testing.path_audit(program, "micro_step")
+  assert micro_step.misplaced_closing_work == [], micro_step
+  assert micro_step.copied_bytes(at_least=MiB) == 0, micro_step.copies
+  closing = testing.path_audit(program, "closing")
+  # The closing side runs the optimizer: it moves more than a micro-step.
+  assert closing.bytes_moved > micro_step.bytes_moved
+
+
+@pytest.mark.parametrize("case", sorted(ONE_GPU))
+def test_one_gpu(case):
+  step, args = ONE_GPU[case]()
+  program = compiled(step, *args, donate_argnums=(0, 1))
+  assert_the_window_keeps_its_promises(program)
+
+
+# Eight GPUs of one host: the data-parallel modes.
+
+DEVICES = 8
+
+
+def mesh_of(axis_type: AxisType) -> jax.sharding.Mesh:
+  return jax.make_mesh((DEVICES,), ("data",), axis_types=(axis_type,))
+
+
+def unreduced_case(fused: bool, **options):
+  value_and_grad = ga_optax.unreduced_value_and_grad(loss_fn)
+  params = params_of()
+  every_k = options.pop("every_k", 4)
+  if fused:
+    tx = ga_optax.accumulate_and_apply(
+      optax.adam(1e-3), every_k, unreduced_axes="data", **options
+    )
+    state = tx.init(params)
+
+    def step(params, state, batch):
+      _, grads = value_and_grad(params, batch)
+      return tx.apply(params, grads, state)
+
+  else:
+    tx = ga_optax.accumulate(
+      optax.adam(1e-3), every_k, unreduced_axes="data", **options
+    )
+    state = tx.init(params)
+
+    def step(params, state, batch):
+      _, grads = value_and_grad(params, batch)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+  batch = jax.device_put(batch_of(8 * DEVICES), P("data"))
+  return step, (params, state, batch)
+
+
+def shard_map_case(fused: bool, check_vma: bool):
+  """A step inside ``jax.shard_map`` with ``axis_name``.
+
+  With ``check_vma=True``, ``jax.grad`` of the replicated params sums the
+  gradients over the devices itself, in every backward pass
+  (docs/how-to/data-parallel.md): the window then has no reduction of its
+  own to make.
+  """
+  params = params_of()
+  if fused:
+    tx = ga_optax.accumulate_and_apply(optax.adam(1e-3), 4, axis_name="data")
+
+    def local_step(params, state, x, y):
+      grads = jax.grad(loss_fn)(params, {"x": x, "y": y})
+      return tx.apply(params, grads, state, weight=x.shape[0])
+
+  else:
+    tx = ga_optax.accumulate(optax.adam(1e-3), 4, axis_name="data")
+
+    def local_step(params, state, x, y):
+      grads = jax.grad(loss_fn)(params, {"x": x, "y": y})
+      updates, state = tx.update(grads, state, params, weight=x.shape[0])
+      return optax.apply_updates(params, updates), state
+
+  # The mesh comes from the context: the GPUs' when compiled for them.
+  step = jax.shard_map(
+    local_step,
+    in_specs=(P(), P(), P("data"), P("data")),
+    out_specs=(P(), P()),
+    check_vma=check_vma,
+  )
+  batch = jax.device_put(batch_of(8 * DEVICES), P("data"))
+  return step, (params, tx.init(params), batch["x"], batch["y"])
+
+
+EXPLICIT_CASES = {
+  "unreduced": lambda: unreduced_case(fused=False),
+  "unreduced_fused": lambda: unreduced_case(fused=True),
+  "unreduced_dict_every_k": lambda: unreduced_case(
+    fused=False, every_k={0: 2, 3: 4}
+  ),
+  "unreduced_f16_accumulator": lambda: unreduced_case(
+    fused=False, accumulator_dtype=jnp.float16
+  ),
+  "unreduced_noise_scale": lambda: unreduced_case(
+    fused=False, noise_scale_decay=0.9
+  ),
+  "zero1": lambda: unreduced_case(fused=False, inner_state_axes="data"),
+  "zero1_fused": lambda: unreduced_case(fused=True, inner_state_axes="data"),
+}
+SHARD_MAP_CASES = {
+  f"shard_map_{'fused' if fused else 'update'}_check_vma_{check_vma}": (
+    functools.partial(shard_map_case, fused, check_vma)
+  )
+  for fused in (False, True)
+  for check_vma in (False, True)
+}
+
+
+def assert_one_reduction_when_closing(
+  program: Any, state: ga_optax.AccumulateState, *, zero: bool
+) -> None:
+  micro_step = testing.path_audit(program, "micro_step")
+  closing = testing.path_audit(program, "closing")
+  exchanged = [
+    c for c in micro_step.collectives if c.operand_bytes > SCALAR_BYTES
+  ]
+  assert exchanged == [], exchanged
+  reductions = [
+    c for c in closing.collectives if c.operand_bytes > SCALAR_BYTES
+  ]
+  opcodes = {c.opcode.removesuffix("-start") for c in reductions}
+  reduced_bytes = sum(
+    c.operand_bytes
+    for c in reductions
+    if c.opcode.removesuffix("-start") in {"all-reduce", "reduce-scatter"}
+  )
+  # Each parameter's window sum crosses the devices once, in the
+  # accumulator's dtype (in the one or few all-reduces XLA combines them
+  # into), not once per micro-step.
+  accumulator_bytes = sum(
+    leaf.dtype.itemsize * leaf.size
+    for leaf in jax.tree.leaves(state.accumulator)
+  )
+  # Scalars (the window's weight, the noise scale's sums) may share it.
+  assert 0 <= reduced_bytes - accumulator_bytes <= SCALAR_BYTES, reductions
+  if zero:
+    assert "reduce-scatter" in opcodes, reductions
+    assert "all-gather" in opcodes, reductions
+  else:
+    assert opcodes == {"all-reduce"}, reductions
+
+
+@pytest.mark.parametrize("case", sorted(EXPLICIT_CASES))
+def test_eight_gpus_under_plain_jit(case):
+  with jax.set_mesh(mesh_of(AxisType.Explicit)):
+    step, args = EXPLICIT_CASES[case]()
+    program = compiled(step, *args, num_devices=8, donate_argnums=(0, 1))
+  assert_the_window_keeps_its_promises(program)
+  assert_one_reduction_when_closing(
+    program, args[1], zero=case.startswith("zero1")
+  )
+
+
+@pytest.mark.parametrize("case", sorted(SHARD_MAP_CASES))
+def test_eight_gpus_under_shard_map(case):
+  with jax.set_mesh(mesh_of(AxisType.Explicit)):
+    step, args = SHARD_MAP_CASES[case]()
+    program = compiled(step, *args, num_devices=8, donate_argnums=(0, 1))
+  assert_the_window_keeps_its_promises(program)
+  if case.endswith("check_vma_False"):
+    assert_one_reduction_when_closing(program, args[1], zero=False)
+    return
+  # Autodiff's own all-reduce of each gradient, on every micro-step, and
+  # nothing more of that size from the window when it closes.
+  micro_step = testing.path_audit(program, "micro_step")
+  closing = testing.path_audit(program, "closing")
+  summed = [c for c in micro_step.collectives if c.operand_bytes > SCALAR_BYTES]
+  assert [c.opcode.removesuffix("-start") for c in summed] == ["all-reduce"]
+  assert [c for c in closing.collectives if c not in summed] == [
+    c for c in closing.collectives if c.operand_bytes <= SCALAR_BYTES
+  ]
+
+
+# The planted controls: what the audits see in the windows they forbid.
+
+
+def test_a_conditional_window_copies_the_optimizer_state_on_every_micro_step():
+  """The structure of earlier releases: a lax.cond that forwards operands."""
+  optimizer = optax.adam(1e-3)
+  params = params_of()
+
+  def step(params, state, batch):
+    accumulator, inner_state = state
+    accumulator = jax.tree.map(
+      jnp.add, accumulator, jax.grad(loss_fn)(params, batch)
+    )
+
+    def close(accumulator, inner_state):
+      with jax.named_scope(run_once.CLOSE_WINDOW):
+        return optimizer.update(accumulator, inner_state, params)
+
+    updates, inner_state = jax.lax.cond(
+      batch["x"][0, 0] > 0, close, lambda *forwarded: forwarded, accumulator,
+      inner_state,
+    )  # fmt: skip
+    return optax.apply_updates(params, updates), (updates, inner_state)
+
+  state = (jax.tree.map(jnp.zeros_like, params), optimizer.init(params))
+  program = compiled(step, params, state, batch_of(), donate_argnums=(0, 1))
+  micro_step = testing.path_audit(program, "micro_step")
+  moments = 2 * sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+  assert micro_step.copied_bytes(at_least=MiB) >= moments, micro_step.copies
+
+
+def test_a_conditional_turned_into_selects_runs_the_optimizer_every_time():
+  """A branch that makes its zeros: XLA:GPU runs both branches, selects."""
+  optimizer = optax.adam(1e-3)
+  params = params_of()
+
+  def step(params, inner_state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+
+    def close(grads, inner_state):
+      with jax.named_scope(run_once.CLOSE_WINDOW):
+        return optimizer.update(grads, inner_state, params)
+
+    def keep_open(grads, inner_state):
+      return jax.tree.map(jnp.zeros_like, grads), inner_state
+
+    updates, inner_state = jax.lax.cond(
+      batch["x"][0, 0] > 0, close, keep_open, grads, inner_state
+    )
+    return optax.apply_updates(params, updates), inner_state
+
+  program = compiled(
+    step, params, optimizer.init(params), batch_of(), donate_argnums=(0, 1)
+  )
+  micro_step = testing.path_audit(program, "micro_step")
+  assert micro_step.misplaced_closing_work != []

@@ -1,0 +1,281 @@
+"""What XLA:GPU compiles a window into: bytes moved and copies, per path.
+
+Compiles each contender's step for compile-only H100s with the real XLA:GPU
+compiler (``ga_optax.testing.compile_for_gpu``: no GPU needed, JAX's CUDA
+plugin is), params and state donated, under XLA's default flags, and reads
+each path of the compiled program with ``ga_optax.testing.path_audit``:
+the bytes it moves (every executed instruction reads its operands and writes
+its result once), the copies it makes, and the temporaries of
+``memory_analysis()``. These are compiler figures, deterministic for a
+given jax release, never times: a lent GPU times the same programs
+(``benchmarks/gpu_report.py``).
+
+Usage::
+
+  JAX_PLATFORMS=cpu python benchmarks/compiled.py            # 4 x 2048^2
+  JAX_PLATFORMS=cpu python benchmarks/compiled.py --width 1024 --output o.json
+
+Prints a table of paths, then one of the targets' ratios, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+# The CUDA plugin does not start on a machine without a GPU; the compiler
+# in it works all the same. Only as a script: a script that imports these
+# helpers (benchmarks/gpu_report.py) may run on a GPU, it and its children.
+if __name__ == "__main__":
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import ga_optax  # noqa: E402
+from benchmarks import workloads as workloads_lib  # noqa: E402
+from ga_optax import testing  # noqa: E402
+
+MIB = 2**20
+
+# (figure, numerator, denominator, target, goal): bytes moved per path.
+TARGETS = [
+  (
+    "accumulate(adam) micro-step / optax.MultiSteps micro-step",
+    ("ga_optax.accumulate", "micro_step"),
+    ("optax.MultiSteps", "micro_step"),
+    0.65,
+    None,
+  ),
+  (
+    "accumulate(adam) closing step / plain Adam step",
+    ("ga_optax.accumulate", "closing"),
+    ("plain Adam", "micro_step"),
+    1.35,
+    1.15,
+  ),
+  (
+    "accumulate_and_apply(adam) closing step / plain Adam step",
+    ("ga_optax.accumulate_and_apply", "closing"),
+    ("plain Adam", "micro_step"),
+    1.35,
+    1.15,
+  ),
+  (
+    "noise-scale micro-step / micro-step without",
+    ("ga_optax.accumulate + noise scale", "micro_step"),
+    ("ga_optax.accumulate", "micro_step"),
+    1.15,
+    None,
+  ),
+  (
+    "microbatched_value_and_grad window / hand-written lax.scan window",
+    ("ga_optax.microbatched_value_and_grad", "micro_step"),
+    ("hand-written lax.scan", "micro_step"),
+    1.02,
+    None,
+  ),
+]
+
+
+def hand_written_scan(
+  loss_fn: Callable[..., Any], num_microbatches: int
+) -> Callable[..., Any]:
+  """Mean value and gradient over contiguous micro-batches, one ``lax.scan``:
+  what a user writes by hand."""
+  value_and_grad = jax.value_and_grad(loss_fn)
+
+  def window(params, batch):
+    microbatches = jax.tree.map(
+      lambda leaf: leaf.reshape(num_microbatches, -1, *leaf.shape[1:]), batch
+    )
+
+    def add(sums, microbatch):
+      return jax.tree.map(
+        jnp.add, sums, value_and_grad(params, microbatch)
+      ), None
+
+    zeros = (jnp.zeros((), jnp.float32), optax.tree.zeros_like(params))
+    sums, _ = jax.lax.scan(add, zeros, microbatches)
+    return jax.tree.map(lambda total: total / num_microbatches, sums)
+
+  return window
+
+
+def steps(
+  workload: workloads_lib.Workload,
+) -> dict[str, tuple[Callable[..., Any], Any, Any]]:
+  """Each contender as ``(step, state, batch)``, params and state donated."""
+  loss_fn, k = workload.loss_fn, workload.every_k
+  adam = optax.adam(1e-3)
+
+  def transformation(tx):
+    def step(params, state, batch):
+      updates, state = tx.update(
+        jax.grad(loss_fn)(params, batch), state, params
+      )
+      return optax.apply_updates(params, updates), state
+
+    return step, tx.init(workload.params), workload.microbatches[0]
+
+  fused = ga_optax.accumulate_and_apply(adam, k)
+
+  def fused_step(params, state, batch):
+    return fused.apply(params, jax.grad(loss_fn)(params, batch), state)
+
+  def in_step(window):
+    def step(params, state, batch):
+      _, grads = window(params, batch)
+      updates, state = adam.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    return step, adam.init(workload.params), workload.window_batch
+
+  return {
+    "plain Adam": transformation(adam),
+    "optax.MultiSteps": transformation(optax.MultiSteps(adam, k)),
+    "ga_optax.accumulate": transformation(ga_optax.accumulate(adam, k)),
+    "ga_optax.accumulate + noise scale": transformation(
+      ga_optax.accumulate(adam, k, noise_scale_decay=0.9)
+    ),
+    "ga_optax.accumulate_and_apply": (
+      fused_step,
+      fused.init(workload.params),
+      workload.microbatches[0],
+    ),
+    "ga_optax.microbatched_value_and_grad": in_step(
+      ga_optax.microbatched_value_and_grad(loss_fn, k)
+    ),
+    "hand-written lax.scan": in_step(hand_written_scan(loss_fn, k)),
+  }
+
+
+def audit(program: Any) -> dict[str, Any]:
+  """One compiled step's paths: bytes moved, copies, temporaries.
+
+  Reads any compiled program: this script's H100 ones, or one compiled for
+  the device at hand (``benchmarks/gpu_report.py`` compares the two).
+  """
+  record: dict[str, Any] = {
+    "temp_mib": program.memory_analysis().temp_size_in_bytes / MIB
+  }
+  for path in ("micro_step", "closing"):
+    path_audit = testing.path_audit(program, path)
+    record[path] = {
+      "moved_mib": path_audit.bytes_moved / MIB,
+      "copied_mib": path_audit.copied_bytes() / MIB,
+      "copies_of_1_mib_or_more": sum(
+        copy.bytes >= MIB for copy in path_audit.copies
+      ),
+      "misplaced_closing_work": len(path_audit.misplaced_closing_work),
+    }
+  return record
+
+
+def measure(workload: workloads_lib.Workload) -> dict[str, Any]:
+  """Each contender's paths: bytes moved, copies, temporaries."""
+  records = {}
+  for name, (step, state, batch) in steps(workload).items():
+    program = testing.compile_for_gpu(
+      step, workload.params, state, batch, donate_argnums=(0, 1)
+    )
+    records[name] = audit(program)
+  return records
+
+
+def ratios(records: dict[str, Any]) -> list[dict[str, Any]]:
+  rows = []
+  for figure, (top, top_path), (bottom, bottom_path), target, goal in TARGETS:
+    value = (
+      records[top][top_path]["moved_mib"]
+      / records[bottom][bottom_path]["moved_mib"]
+    )
+    rows.append(
+      {
+        "figure": figure,
+        "ratio": value,
+        "target": target,
+        "goal": goal,
+        "met": value <= target,
+      }
+    )
+  return rows
+
+
+def tables(
+  records: dict[str, Any],
+  rows: list[dict[str, Any]],
+  compiled_for: str = "H100",
+) -> str:
+  lines = [
+    f"| step ({compiled_for}-compiled) | micro-step MiB moved | copies MiB |"
+    " closing MiB moved | copies MiB | temp MiB |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
+  for name, record in records.items():
+    micro, closing = record["micro_step"], record["closing"]
+    lines.append(
+      f"| {name} | {micro['moved_mib']:.1f} | {micro['copied_mib']:.0f} |"
+      f" {closing['moved_mib']:.1f} | {closing['copied_mib']:.0f} |"
+      f" {record['temp_mib']:.0f} |"
+    )
+  lines += [
+    "",
+    "| figure (bytes moved) | ratio | target | met |",
+    "|---|---:|---:|---|",
+  ]
+  for row in rows:
+    goal = f" (goal {row['goal']})" if row["goal"] else ""
+    lines.append(
+      f"| {row['figure']} | {row['ratio']:.3f} | <= {row['target']}{goal} |"
+      f" {'yes' if row['met'] else 'NO'} |"
+    )
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--width", type=int, default=2048)
+  parser.add_argument("--depth", type=int, default=4)
+  parser.add_argument("--micro-batch", type=int, default=8)
+  parser.add_argument("--every-k", type=int, default=4)
+  parser.add_argument(
+    "--output",
+    type=pathlib.Path,
+    default=REPO_ROOT / "benchmarks" / "results" / "compiled.json",
+  )
+  args = parser.parse_args(argv)
+  workload = workloads_lib.mlp(
+    args.width, args.depth, args.micro_batch, args.every_k
+  )
+  records = measure(workload)
+  rows = ratios(records)
+  print(tables(records, rows))
+  args.output.parent.mkdir(parents=True, exist_ok=True)
+  args.output.write_text(
+    json.dumps(
+      {
+        "what": "XLA:GPU compiler figures for compile-only H100s (no GPU)",
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "workload": workload.config,
+        "paths": records,
+        "ratios": rows,
+      },
+      indent=2,
+    )
+  )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,10 +1,13 @@
 """The GPU run book runs anywhere: its smoke mode on the CPU, labelled as such.
 
 One ``--quick`` run of ``benchmarks/gpu_report.py`` in this process feeds
-every check: the files it writes, the fields of its JSON, the
-conditional counts of its matrix against their emulated counts, and the
-label that keeps a CPU figure from passing for a GPU figure. Timings are
-only checked to be there, never compared.
+most checks: the files each section writes, the fields of its JSON, the
+label that keeps a CPU figure from passing for a GPU figure, and the
+compiler figures of the H100 section (or, without the CUDA plugin, the
+reason it was skipped). A second, smaller run plants a failure in one
+section and shows that it is recorded and that the next section still runs.
+Timings are only checked to be there, never compared: on a shared CPU they
+say nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +25,31 @@ import jax
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = [
+  "environment",
+  "compiled_h100",
+  "compiled_here",
+  "step_time",
+  "in_step",
+  "host_memory",
+  "peak_memory",
+  "largest_batch",
+]
+COMPILED_STEPS = {
+  "plain Adam",
+  "optax.MultiSteps",
+  "ga_optax.accumulate",
+  "ga_optax.accumulate + noise scale",
+  "ga_optax.accumulate_and_apply",
+  "ga_optax.microbatched_value_and_grad",
+  "hand-written lax.scan",
+}
+# The steps built on accumulate: each holds both sides of the window.
+WINDOWS = {
+  "ga_optax.accumulate",
+  "ga_optax.accumulate + noise scale",
+  "ga_optax.accumulate_and_apply",
+}
 
 
 @functools.cache
@@ -36,28 +64,30 @@ def load_gpu_report() -> ModuleType:
   return module
 
 
+def is_time(value) -> bool:
+  return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
 def test_quick_run_writes_a_cpu_labelled_report(tmp_path):
   # One test, not one per check: under pytest-xdist, tests of one module
   # may land on two workers, and each would pay for its own run.
   returned = load_gpu_report().main(["--quick", "--output-dir", str(tmp_path)])
-  assert returned is not None
-  assert (tmp_path / "gpu_report.md").is_file()
   report = json.loads((tmp_path / "gpu_report.json").read_text())
-  assert set(report) >= {
-    "environment",
-    "conditionals",
-    "step_time",
-    "in_step",
-    "memory",
-  }
+  assert list(report) == list(returned) == SECTIONS
+  for name in SECTIONS:
+    written = json.loads((tmp_path / f"{name}.json").read_text())
+    assert written == report[name], name
+    assert (tmp_path / f"{name}.md").read_text().startswith(f"## {name} (")
+    assert report[name]["elapsed_s"] >= 0
   markdown = (tmp_path / "gpu_report.md").read_text()
   check_a_cpu_run_says_it_is_no_gpu_run(report, markdown)
-  check_records_device_versions_flags_machine_and_date(report)
-  check_every_conditional_of_the_matrix_survives_as_emulated(report)
-  check_the_controls_are_flagged(report)
+  check_records_device_versions_variables_machine_and_date(report)
+  check_the_h100_compiled_program_or_why_it_is_missing(report["compiled_h100"])
+  check_this_backends_compiled_program_beside_the_h100s(report)
   check_step_time_has_ratios_to_plain_adam_and_multi_steps(report)
-  check_in_step_windows_compute_the_full_batch_gradient(report)
-  check_memory_over_k_and_the_largest_batches_that_fit(report)
+  check_in_step_window_against_the_hand_written_scan(report)
+  check_host_memory_and_no_peaks_without_memory_stats(report)
+  check_largest_batches_fit_the_budget(report)
   host_name = platform.node()
   if len(host_name) >= 8:  # a short name could occur anywhere by chance
     assert host_name not in json.dumps(report) + markdown
@@ -65,99 +95,153 @@ def test_quick_run_writes_a_cpu_labelled_report(tmp_path):
 
 def check_a_cpu_run_says_it_is_no_gpu_run(report, markdown):
   assert jax.devices()[0].platform == "cpu"
-  environment = report["environment"]
+  environment = report["environment"]["results"]
   assert environment["backend"] == "cpu"
   assert environment["gpu"] is False
   assert "no GPU" in environment["label"]
   assert "none of these figures is a GPU figure" in environment["label"]
   assert environment["label"] in markdown.splitlines()[2]
-  for heading in (
-    "## Conditionals of the window, compiled for cpu",
-    "## Step time on cpu",
-    "## In-step window on cpu",
-    "## Memory on cpu",
-  ):
-    assert heading in markdown.splitlines()
+  for name, section in report.items():
+    expected = "compile-only H100" if name == "compiled_h100" else "cpu: "
+    assert expected in section["backend"], name
+    assert f"## {name} ({section['backend']})" in markdown.splitlines()
 
 
-def check_records_device_versions_flags_machine_and_date(report):
-  environment = report["environment"]
+def check_records_device_versions_variables_machine_and_date(report):
+  environment = report["environment"]["results"]
   assert environment["device"]["kind"] == jax.devices()[0].device_kind
+  assert environment["device"]["memory_stats"] is None
   assert environment["versions"]["jax"] == jax.__version__
   assert environment["versions"]["jaxlib"]
-  assert "xla_flags" in environment
-  assert "environment_variables" in environment
+  assert environment["environment_variables"]["JAX_PLATFORMS"] == "cpu"
   assert environment["date"][:2] == "20"
   assert environment["machine"]["cpu_count"] >= 1
+  assert environment["quick"] is True
 
 
-def check_every_conditional_of_the_matrix_survives_as_emulated(report):
-  matrix = report["conditionals"]["matrix"]
-  assert len(matrix) == 12  # the CPU offers "pinned_host": nothing skipped
-  for name, record in matrix.items():
-    assert record["compiled"] >= 1, name
-    assert record["compiled"] == record["emulated"], (name, record)
-    assert record["confined"], (name, record)
+def check_the_h100_compiled_program_or_why_it_is_missing(section):
+  if section["status"] == "skipped":
+    # Where the CUDA plugin is missing the reason says how to install it.
+    assert "CUDA plugin" in section["reason"]
+    return
+  assert section["status"] == "ok", section.get("traceback")
+  check_compiled_program(section["results"])
 
 
-def check_the_controls_are_flagged(report):
-  controls = report["conditionals"]["controls"]
-  multi_steps = controls["optax.MultiSteps(adam): no conditional"]
-  assert multi_steps["compiled"] == 0
-  assert not multi_steps["confined"]
-  assert sum(multi_steps["characteristic_outside"].values()) > 0
-  for name in (
-    "lax.cond(closes, adam step, zeros)",
-    "lax.cond(closes, sgd momentum step, zeros)",
-  ):
-    assert controls[name]["compiled"] == 1, name
-    assert controls[name]["emulated"] == 0, name
+def check_compiled_program(results):
+  paths = results["paths"]
+  assert set(paths) == COMPILED_STEPS
+  for name, path in paths.items():
+    for side in ("micro_step", "closing"):
+      assert path[side]["moved_mib"] > 0, (name, side)
+      assert path[side]["copied_mib"] >= 0, (name, side)
+    sides = path["window_sides"]
+    if name in WINDOWS:
+      assert sides["keep_open"] >= 1 and sides["close_window"] >= 1, name
+    else:
+      assert sides == {"keep_open": 0, "close_window": 0}, name
+  assert len(results["ratios"]) == 5
+  for row in results["ratios"]:
+    assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+    assert row["met"] == (row["ratio"] <= row["target"]), row
+
+
+def check_this_backends_compiled_program_beside_the_h100s(report):
+  here = report["compiled_here"]
+  assert here["status"] == "ok", here.get("traceback")
+  check_compiled_program(here["results"])
+  h100 = report["compiled_h100"].get("results", {"ratios": [{}] * 5})
+  ratios = zip(here["results"]["ratios"], h100["ratios"], strict=True)
+  for row, theirs in ratios:
+    assert row.get("h100_ratio") == theirs.get("ratio"), row
 
 
 def check_step_time_has_ratios_to_plain_adam_and_multi_steps(report):
-  for record in report["step_time"].values():
-    assert set(record["ratios"]) == {
+  assert report["step_time"]["status"] == "ok"
+  for record in report["step_time"]["results"].values():
+    assert [row["contender"] for row in record["ratios"]] == [
       "plain Adam step",
       "optax.MultiSteps",
       "ga_optax.accumulate",
       "ga_optax.accumulate_and_apply",
-    }
-    for ratios in record["ratios"].values():
-      for value in ratios.values():
-        assert math.isfinite(value) and value > 0
+    ]
+    for row in record["ratios"]:
+      assert set(row) == {
+        "contender",
+        "micro_ms",
+        "closing_ms",
+        "micro_ms_over_plain_adam",
+        "closing_ms_over_plain_adam",
+        "micro_ms_over_multi_steps",
+        "closing_ms_over_multi_steps",
+      }
+      assert all(is_time(row[key]) for key in row if key != "contender")
+    assert record["figures"]
 
 
-def check_in_step_windows_compute_the_full_batch_gradient(report):
-  for record in report["in_step"].values():
-    assert record["optax_microbatching"] == "measured"
-    assert set(record["windows"]) == {
+def check_in_step_window_against_the_hand_written_scan(report):
+  assert report["in_step"]["status"] == "ok"
+  for rows in report["in_step"]["results"].values():
+    assert [row["window"] for row in rows] == [
       "ga_optax.microbatched_value_and_grad",
       "hand-written lax.scan",
-      "optax.microbatching.microbatch",
-    }
-    for window in record["windows"].values():
-      difference = window["max_relative_difference_to_full_batch"]
-      assert math.isfinite(difference) and difference < 1e-5
-      assert math.isfinite(window["median_ms"])
+    ]
+    assert all(is_time(row["median_ms"]) for row in rows)
+    assert all(is_time(row["over_scan"]) for row in rows)
 
 
-def check_memory_over_k_and_the_largest_batches_that_fit(report):
-  memory = report["memory"]
-  assert "no memory_stats()" in memory["peaks"]
-  assert "nominal" in memory["budget_source"]
-  ks = memory["model"]["ks"]
-  assert [row["every_k"] for row in memory["by_k"]] == ks
-  assert ks[0] == 1 and ks[-1] == 32
-  for row in memory["by_k"]:
-    for kind in ("plain", "accumulate", "accumulate_host", "window"):
-      assert row[kind]["device_bytes"] > 0, (row["every_k"], kind)
-      assert "peak_bytes_in_use" not in row[kind]
-    # The accumulate micro-step holds an accumulator the plain step lacks.
-    assert row["accumulate"]["device_bytes"] > row["plain"]["device_bytes"]
-  budget = memory["budget_bytes"]
-  for name, found in memory["largest"].items():
-    assert found["bytes"] <= budget < found["next_bytes"], name
-    assert found["next_rows"] > found["rows"] > 0, name
+def check_host_memory_and_no_peaks_without_memory_stats(report):
+  host = report["host_memory"]
+  assert host["status"] == "ok", host.get("traceback")
+  record = host["results"]["reference"]
+  assert set(record["configs"]) == {
+    "plain Adam step",
+    "state on device",
+    "accumulator on host",
+    "accumulator and Adam state on host",
+  }
+  for row in record["figures"]:
+    assert row["offloaded_bytes"] > 0, row
+  peak = report["peak_memory"]
+  assert peak["status"] == "skipped"
+  assert "memory_stats()" in peak["reason"]
+
+
+def check_largest_batches_fit_the_budget(report):
+  section = report["largest_batch"]
+  assert section["status"] == "ok", section.get("traceback")
+  results = section["results"]
+  budget = results["budget_bytes"]
+  assert "nominal" in results["budget_source"]
+  single, accumulate = results["largest"]
+  for found in (single, accumulate):
+    assert found["rows"] > 0 and found["bytes"] <= budget, found
+    assert found["next_bytes"] > budget, found
+  assert single["batch"] == single["rows"]
+  assert accumulate["batch"] == 32 * accumulate["rows"]
+
+
+def test_a_failing_section_is_recorded_and_the_next_still_runs(
+  tmp_path, monkeypatch
+):
+  gpu_report = load_gpu_report()
+
+  def planted(*args, **kwargs):
+    raise RuntimeError("planted failure")
+
+  monkeypatch.setattr(gpu_report, "step_time_section", planted)
+  only = ["--section", "step_time", "--section", "in_step"]
+  report = gpu_report.main(["--quick", "--output-dir", str(tmp_path), *only])
+  assert list(report) == ["environment", "step_time", "in_step"]
+  failed = json.loads((tmp_path / "step_time.json").read_text())
+  assert failed["status"] == "failed"
+  assert failed["error"] == "RuntimeError: planted failure"
+  assert "planted" in failed["traceback"]
+  assert "**Failed**" in (tmp_path / "step_time.md").read_text()
+  assert report["in_step"]["status"] == "ok"
+  combined = json.loads((tmp_path / "gpu_report.json").read_text())
+  assert combined["step_time"]["status"] == "failed"
+  assert combined["in_step"]["status"] == "ok"
 
 
 @pytest.mark.parametrize(
@@ -170,19 +254,25 @@ def check_memory_over_k_and_the_largest_batches_that_fit(report):
   ids=["straight", "steps", "curved"],
 )
 @pytest.mark.parametrize("budget", [1_000 + 37 * 8, 50_000, 10_000_000])
-def test_largest_fitting_finds_the_last_size_that_fits(bytes_at, budget):
-  found = load_gpu_report().largest_fitting(
-    bytes_at, budget, unit=8, max_rows=2**22, first_rows=256
-  )
-  rows = found["rows"]
-  assert bytes_at(rows) <= budget < bytes_at(rows + 8)
-  assert found["next_rows"] == rows + 8
-  assert found["compilations"] <= 24
+def test_largest_fitting_brackets_the_budget_to_one_percent(bytes_at, budget):
+  calls = []
+
+  def counted(rows):
+    calls.append(rows)
+    return bytes_at(rows)
+
+  found = load_gpu_report().largest_fitting(counted, budget, max_rows=2**22)
+  rows, next_rows = found["rows"], found["next_rows"]
+  assert found["bytes"] == bytes_at(rows) <= budget
+  assert found["next_bytes"] == bytes_at(next_rows) > budget
+  assert 0 < next_rows - rows <= max(1, rows // 128)
+  assert len(calls) == len(set(calls)) <= 2 * 22
 
 
-def test_largest_fitting_reports_when_nothing_fits():
-  found = load_gpu_report().largest_fitting(
-    lambda rows: 100 * rows, 10, unit=8, max_rows=64, first_rows=32
-  )
-  assert found["rows"] is None
-  assert found["next_rows"] == 8 and found["next_bytes"] > 10
+def test_largest_fitting_reports_when_nothing_or_everything_fits():
+  largest_fitting = load_gpu_report().largest_fitting
+  nothing = largest_fitting(lambda rows: 100 * rows, 10, max_rows=64)
+  assert nothing["rows"] is None
+  assert nothing["next_rows"] == 1 and nothing["next_bytes"] == 100
+  everything = largest_fitting(lambda rows: rows, 10**6, max_rows=64)
+  assert everything["rows"] == 64 and everything["next_rows"] is None

@@ -290,8 +290,8 @@ MUTANTS: tuple[Mutant, ...] = (
     name="loop_shardings_left_to_the_partitioner",
     guarantee="data parallel (ZeRO-1: the optimizer state stays sharded)",
     defect="inside the window's loops only unreduced values are pinned to"
-    " their types; the partitioner gathers a ZeRO-1 state whole before"
-    " the loop, on every micro-step",
+    " their types; with a global-norm clip the partitioner gathers a ZeRO-1"
+    " state whole before the loop, on every micro-step",
     edits=(
       Edit(
         RUN_ONCE,
@@ -303,8 +303,8 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
     ),
     tests=(
-      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[zero1]",
-      "tests/test_compiled_window.py",
+      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[zero1_clip_adamw_fused]",
+      "tests/test_zero.py::test_clip_adamw_fused_shards_and_checkpoints",
     ),
   ),
   Mutant(

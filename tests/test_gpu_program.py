@@ -164,13 +164,14 @@ def mesh_of(axis_type: AxisType) -> jax.sharding.Mesh:
   return jax.make_mesh((DEVICES,), ("data",), axis_types=(axis_type,))
 
 
-def unreduced_case(fused: bool, **options):
+def unreduced_case(fused: bool, optimizer=None, **options):
   value_and_grad = ga_optax.unreduced_value_and_grad(loss_fn)
   params = params_of()
   every_k = options.pop("every_k", 4)
+  optimizer = optimizer or optax.adam(1e-3)
   if fused:
     tx = ga_optax.accumulate_and_apply(
-      optax.adam(1e-3), every_k, unreduced_axes="data", **options
+      optimizer, every_k, unreduced_axes="data", **options
     )
     state = tx.init(params)
 
@@ -180,7 +181,7 @@ def unreduced_case(fused: bool, **options):
 
   else:
     tx = ga_optax.accumulate(
-      optax.adam(1e-3), every_k, unreduced_axes="data", **options
+      optimizer, every_k, unreduced_axes="data", **options
     )
     state = tx.init(params)
 
@@ -242,6 +243,11 @@ EXPLICIT_CASES = {
   ),
   "zero1": lambda: unreduced_case(fused=False, inner_state_axes="data"),
   "zero1_fused": lambda: unreduced_case(fused=True, inner_state_axes="data"),
+  "zero1_clip_adamw_fused": lambda: unreduced_case(
+    fused=True,
+    optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    inner_state_axes="data",
+  ),
 }
 SHARD_MAP_CASES = {
   f"shard_map_{'fused' if fused else 'update'}_check_vma_{check_vma}": (

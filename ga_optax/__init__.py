@@ -1,5 +1,6 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
 
+from ga_optax._src.adaptive import AdaptiveK, adaptive_k
 from ga_optax._src.batch_size import goodput_k, suggested_k, warmup_schedule
 from ga_optax._src.batchnorm import combine_batch_stats
 from ga_optax._src.elastic import (
@@ -39,6 +40,7 @@ from ga_optax._src.planner import (
 from ga_optax._src.state import (
   AccumulateState,
   applied_updates,
+  current_k,
   emitted,
   noise_scale,
   num_skipped,
@@ -53,6 +55,7 @@ __version__ = "0.2.0"
 
 __all__ = [
   "AccumulateState",
+  "AdaptiveK",
   "DynamicLossScaleState",
   "ElasticPlan",
   "FusedAccumulation",
@@ -62,11 +65,13 @@ __all__ = [
   "NoiseScaleEstimate",
   "accumulate",
   "accumulate_and_apply",
+  "adaptive_k",
   "applied_updates",
   "apply_gradients",
   "best_global_batch_size",
   "combine_batch_stats",
   "consolidate",
+  "current_k",
   "dropped_windows",
   "dynamic_loss_scale",
   "elastic_plan",

@@ -91,13 +91,18 @@ def test_update_step_saturates_and_the_schedule_stays_on_its_last_piece(
   params, every_k
 ):
   tx = ga_optax.accumulate(optax.sgd(0.1), every_k)
-  state = tx.init(params)._replace(update_step=_at(INT32_MAX - 1))
+  # A state as the run leaves it there: the open window's k is the
+  # schedule's at that count (k is decided when the previous window closes).
+  state = tx.init(params)._replace(
+    update_step=_at(INT32_MAX - 1), every_k=_at(3)
+  )
   state, emitted = _feed(tx, state, params, 9)
   # k = 3 everywhere past update 10: windows keep closing every 3 calls.
   assert emitted == [False, False, True] * 3
   assert state.update_step.dtype == jnp.int32
   assert int(state.update_step) == INT32_MAX
   assert int(state.micro_step) == 0
+  assert int(ga_optax.current_k(state)) == 3
 
 
 def test_num_skipped_saturates(params):

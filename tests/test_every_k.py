@@ -1,4 +1,7 @@
-"""Window-length schedules: int, callable and {update_step: k} dict."""
+"""Window-length schedules: int, callable and {update_step: k} dict.
+
+adaptive_k, the fourth kind, has tests/test_adaptive.py.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,12 @@ import optax
 import pytest
 
 import ga_optax
-from ga_optax._src.every_k import as_schedule
+from ga_optax._src.every_k import as_window_length
+
+
+def as_schedule(every_k):
+  """The ``update_step -> k`` function of a scheduled ``every_k``."""
+  return as_window_length(every_k).schedule
 
 
 @pytest.mark.parametrize("use_jit", [False, True])

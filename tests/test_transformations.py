@@ -2,8 +2,9 @@
 
 Each transformation is checked against plain unbatched runs of the same
 micro-steps. Under ``vmap`` the window-closing ``lax.cond`` has a batched
-predicate and becomes a select: both branches run, so every micro-step pays
-for an optimizer step, but the results must still be those of the separate
+predicate: a window side runs for every model while any model needs it,
+selecting per model, so a micro-step pays for an optimizer step whenever one
+model's window closes, but the results must still be those of the separate
 runs, even when the models' windows are out of phase.
 
 Those runs are ga_optax too, so the last tests anchor the transformations to
@@ -385,3 +386,41 @@ def test_pmap_over_two_devices_matches_the_large_batch():
   assert int(state.update_step) == len(closed)
   chex.assert_tree_all_finite((params, expected))
   chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply"])
+def test_lookahead_steps_once_per_window_on_the_large_batch(fused):
+  """optax.lookahead's gradients are shaped like its fast params."""
+  sync_period, k = 2, 3
+  lookahead = optax.lookahead(optax.sgd(0.5), sync_period, 0.5)
+  rng = np.random.default_rng(5)
+  grads = [
+    {"w": rng.normal(size=(2, 3)).astype(np.float32)} for _ in range(4 * k)
+  ]
+  weights = [float(w) for w in rng.integers(1, 5, size=4 * k)]
+  start = optax.LookaheadParams.init_synced({"w": jnp.ones((2, 3))})
+
+  # The large batch: lookahead on each window's weighted mean gradient.
+  expected, state = start, lookahead.init(start)
+  for window in range(4):
+    rows = slice(window * k, (window + 1) * k)
+    window_weights = np.asarray(weights[rows], np.float32)
+    mean = {
+      "w": np.tensordot(window_weights, [g["w"] for g in grads[rows]], 1)
+      / window_weights.sum()
+    }
+    updates, state = lookahead.update(mean, state, expected)
+    expected = optax.apply_updates(expected, updates)
+
+  make = ga_optax.accumulate_and_apply if fused else ga_optax.accumulate
+  tx = make(lookahead, k)
+  params, tx_state = start, tx.init(start)
+  for grad, weight in zip(grads, weights, strict=True):
+    if fused:
+      params, tx_state = tx.apply(params, grad, tx_state, weight=weight)
+    else:
+      updates, tx_state = tx.update(grad, tx_state, params, weight=weight)
+      params = optax.apply_updates(params, updates)
+  chex.assert_tree_all_finite(params)
+  chex.assert_trees_all_close(params, expected, rtol=1e-6, atol=1e-6)
+  assert int(ga_optax.applied_updates(tx_state)) == 4

@@ -1,22 +1,85 @@
-"""Window-length schedules: how many micro-steps each window holds.
+"""Window lengths: how many micro-steps each window holds.
 
 ``accumulate`` takes ``every_k`` as an int, a jittable callable of the
-applied-update count, or a ``{update_step: k}`` dict. All three are normalised
-here into one jittable function ``update_step -> k`` (an int32 scalar).
+applied-update count, a ``{update_step: k}`` dict, or
+:func:`ga_optax.adaptive_k`. Each is normalised here into a
+:class:`WindowLength`: the first window's k, and the next window's k when a
+window closes. The window keeps k in its state; the first three are
+schedules of the applied-update count (:class:`Scheduled`), the last
+follows the noise scale (:class:`ga_optax._src.adaptive.AdaptiveK`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ga_optax._src import validation
+from ga_optax._src.adaptive import AdaptiveK
 
 EveryKSchedule = Callable[[jax.Array], jax.Array]
-EveryK = int | EveryKSchedule | Mapping[int, int]
+EveryK = int | EveryKSchedule | Mapping[int, int] | AdaptiveK
+
+
+class WindowLength(Protocol):
+  """How many micro-steps each window holds, decided as windows close."""
+
+  def first(self) -> jax.Array:
+    """The first window's k, an int32 scalar."""
+    ...
+
+  def next(
+    self,
+    k: jax.Array,
+    *,
+    update_step: jax.Array,
+    noise: Any,
+    window_weight: jax.Array,
+    full: jax.Array,
+  ) -> jax.Array:
+    """The next window's k, when a window of ``k`` has closed.
+
+    Args:
+      k: the closing window's k.
+      update_step: updates applied, the closing window's included.
+      noise: the noise scale's averages with the window folded in (None
+        when it is not measured).
+      window_weight: the window's total weight over every device.
+      full: whether the window closed by count rather than by a flush.
+    """
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+  """k as a jittable function of the applied-update count.
+
+  Attributes:
+    schedule: ``update_step -> k``.
+  """
+
+  schedule: EveryKSchedule
+
+  def first(self) -> jax.Array:
+    return self.schedule(jnp.zeros((), jnp.int32))
+
+  def next(
+    self,
+    k: jax.Array,
+    *,
+    update_step: jax.Array,
+    noise: Any,
+    window_weight: jax.Array,
+    full: jax.Array,
+  ) -> jax.Array:
+    del k, noise, window_weight, full
+    return self.schedule(update_step)
+
 
 # k and the dict's keys are compared with the state's int32 counters.
 MAX_COUNT = int(np.iinfo(np.int32).max)
@@ -94,8 +157,8 @@ def _checked_callable(schedule: EveryKSchedule) -> EveryKSchedule:
   return every_k_of
 
 
-def as_schedule(every_k: EveryK) -> EveryKSchedule:
-  """Returns a jittable ``update_step -> k`` for any accepted ``every_k``.
+def as_window_length(every_k: EveryK) -> WindowLength:
+  """The :class:`WindowLength` of any accepted ``every_k``.
 
   Raises:
     TypeError: ``every_k`` is of a type that is not accepted, or a callable
@@ -105,9 +168,11 @@ def as_schedule(every_k: EveryK) -> EveryKSchedule:
       that is empty, lacks key 0, has a key above 2**31 - 1, or maps to a k
       below 1 or above 2**31 - 1.
   """
+  if isinstance(every_k, AdaptiveK):
+    return every_k
   if isinstance(every_k, Mapping):
-    return _piecewise_constant(every_k)
+    return Scheduled(_piecewise_constant(every_k))
   if callable(every_k):
-    return _checked_callable(every_k)
+    return Scheduled(_checked_callable(every_k))
   k = _check_k(every_k, "every_k")
-  return lambda update_step: jnp.asarray(k, jnp.int32)
+  return Scheduled(lambda update_step: jnp.asarray(k, jnp.int32))

@@ -17,6 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from ga_optax._src import validation
+from ga_optax._src.adaptive import AdaptiveK
 from ga_optax._src.every_k import EveryK
 
 
@@ -37,6 +38,8 @@ def smallest_imprecise_k(accumulator_dtype: Any) -> int:
 
 
 def _largest_k(every_k: EveryK) -> int | None:
+  if isinstance(every_k, AdaptiveK):
+    return every_k.max_k
   if isinstance(every_k, Mapping):
     return max(int(k) for k in every_k.values())
   if validation.is_int(every_k):
@@ -50,7 +53,7 @@ def warn_if_accumulator_too_narrow(
   """Warns when ``accumulator_dtype`` cannot sum windows of ``every_k``.
 
   Emits a ``UserWarning`` when the largest k that ``every_k`` allows (the
-  int, or the largest value of a dict) is at least ``2**(p - 2)`` for an
+  int, the largest value of a dict, or an adaptive k's ``max_k``) is at least ``2**(p - 2)`` for an
   accumulator with p significant bits: 64 for bfloat16 (p = 8), 512 for
   float16 (p = 11), 2**22 for float32. A callable ``every_k`` is not
   looked at: its values are only known inside the traced step, so no

@@ -32,6 +32,8 @@ class AccumulateState(NamedTuple):
     update_step: int32, updates the inner optimizer has applied; the
       argument of a callable or dict ``every_k`` (read it with
       :func:`ga_optax.applied_updates`).
+    every_k: int32, the k of the open window, decided when the previous
+      window closed (read it with :func:`ga_optax.current_k`).
     num_skipped: int32, non-finite micro-steps dropped by
       ``skip_nonfinite=True`` over the whole run (read it with
       :func:`ga_optax.num_skipped`).
@@ -53,16 +55,22 @@ class AccumulateState(NamedTuple):
       the gradient noise scale and the averages over closed windows (read
       them with :func:`ga_optax.noise_scale`); None (no leaves, no cost)
       without.
+    overwrite: for a Flax model with float8 state (the
+      ``_overwrite_with_gradient`` collection, whose "gradient" is its new
+      value), the window's running combination of those new values; None
+      (no leaves) for any other model. See :func:`ga_optax.apply_gradients`.
   """
 
   micro_step: jax.Array
   update_step: jax.Array
+  every_k: jax.Array
   num_skipped: jax.Array
   emitted: jax.Array
   weight_sum: jax.Array
   accumulator: optax.Updates
   inner_state: optax.OptState
   noise_scale: WindowNoise | None = None
+  overwrite: Any = None
 
 
 def check_state(state: Any) -> AccumulateState:
@@ -159,6 +167,38 @@ def applied_updates(state: Any) -> jax.Array:
     2
   """
   return jnp.asarray(find_state(state).update_step)
+
+
+def current_k(state: Any) -> jax.Array:
+  """The k of the open window: micro-steps it holds when it closes by count.
+
+  Decided when the previous window closed: by the schedule of ``every_k``
+  (an int, a callable or a dict of the applied-update count), or by the
+  noise scale with :func:`ga_optax.adaptive_k`.
+
+  Args:
+    state: an :class:`AccumulateState`, or any optimizer state that holds
+      exactly one.
+
+  Returns:
+    An int32 scalar array.
+
+  Raises:
+    ValueError: ``state`` holds no ``AccumulateState``, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> tx = ga_optax.accumulate(optax.sgd(0.1), {0: 2, 1: 3})
+    >>> params = jnp.zeros(3)
+    >>> state = tx.init(params)
+    >>> int(ga_optax.current_k(state))
+    2
+    >>> for _ in range(2):
+    ...   _, state = tx.update(jnp.ones(3), state, params)
+    >>> int(ga_optax.current_k(state))  # one update applied: k is 3
+    3
+  """
+  return jnp.asarray(find_state(state).every_k)
 
 
 def num_skipped(state: Any) -> jax.Array:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from ga_optax._src import (
+  adaptive,
   eager,
   noise_scale,
   parallel,
@@ -46,6 +47,7 @@ def resolve(
   inner_state_memory_kind: Any,
   inner_state_axes: Any,
   noise_scale_decay: Any,
+  lr_scaling: Any,
 ) -> Window:
   """Checks the arguments of :func:`accumulate`; returns the window they ask for."""
   if not isinstance(skip_nonfinite, bool):
@@ -58,7 +60,13 @@ def resolve(
       " their weighted mean, which reduction='mean' emits; got"
       f" reduction={reduction!r}."
     )
-  schedule = every_k_lib.as_schedule(every_k)
+  window_length = every_k_lib.as_window_length(every_k)
+  if isinstance(window_length, adaptive.AdaptiveK) and decay is None:
+    raise ValueError(
+      "every_k=ga_optax.adaptive_k(...) follows the measured gradient noise"
+      " scale: pass noise_scale_decay too (for example noise_scale_decay="
+      "0.95, averaging over about 20 windows)."
+    )
   accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
   # Points at the user's call of accumulate or accumulate_and_apply.
   precision.warn_if_accumulator_too_narrow(
@@ -66,7 +74,8 @@ def resolve(
   )
   return Window(
     inner=validation.check_optimizer(optimizer),
-    schedule=schedule,
+    window_length=window_length,
+    lr_scaling=adaptive.LearningRateScaling.of(lr_scaling),
     reduction=reduction,
     accumulator_dtype=accumulator_dtype,
     skip_nonfinite=skip_nonfinite,
@@ -134,6 +143,7 @@ def accumulate(
   inner_state_memory_kind: str | None = None,
   inner_state_axes: Any = None,
   noise_scale_decay: float | None = None,
+  lr_scaling: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` micro-steps, then steps ``optimizer``.
 
@@ -183,8 +193,11 @@ def accumulate(
       a schedule, ``inject_hyperparams`` or an extra-args transformation.
     every_k: micro-steps per window: a positive int; a jittable callable
       mapping the applied-update count (int32 scalar) to k, where values
-      below 1 act as 1; or a dict ``{update_step: k}`` with key 0, piecewise
-      constant in the applied-update count.
+      below 1 act as 1; a dict ``{update_step: k}`` with key 0, piecewise
+      constant in the applied-update count; or :func:`ga_optax.adaptive_k`,
+      a k that follows the measured noise scale (needs
+      ``noise_scale_decay``). Each window's k is decided when the previous
+      one closes and kept in the state (:func:`ga_optax.current_k`).
     reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
     accumulator_dtype: floating dtype of the accumulator, for example
       float32 accumulation of bfloat16 gradients.
@@ -257,6 +270,11 @@ def accumulate(
       with ``unreduced_axes`` each device's partial sum is taken as one, of
       an equal share of the micro-step's weight. Needs
       ``reduction="mean"``.
+    lr_scaling: None (the default) leaves the wrapped optimizer's updates
+      as they are; ``"sqrt"`` multiplies them by ``sqrt(k / k0)`` and
+      ``"linear"`` by ``k / k0``, where k is the closing window's and k0
+      the first window's (the rules that pair a batch change with Adam's
+      and SGD's learning rate; see docs/how-to/batch-size.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -266,8 +284,9 @@ def accumulate(
     TypeError: ``optimizer`` is not a GradientTransformation, or
       ``every_k``, ``accumulator_dtype``, ``axis_name``,
       ``unreduced_axes`` or a memory kind has a wrong type.
-    ValueError: ``every_k`` below 1, a bad ``every_k`` dict, an unknown
-      ``reduction``, both ``axis_name`` and ``unreduced_axes``,
+    ValueError: ``every_k`` below 1, a bad ``every_k`` dict,
+      :func:`ga_optax.adaptive_k` without ``noise_scale_decay``, an unknown
+      ``reduction`` or ``lr_scaling``, both ``axis_name`` and ``unreduced_axes``,
       ``inner_state_axes`` without ``unreduced_axes``, or a memory
       kind the device does not offer (the message lists those it does) or
       that ``jit`` cannot keep arrays in. ``init`` and ``update`` raise for
@@ -301,6 +320,7 @@ def accumulate(
     inner_state_memory_kind=inner_state_memory_kind,
     inner_state_axes=inner_state_axes,
     noise_scale_decay=noise_scale_decay,
+    lr_scaling=lr_scaling,
   )
   step = compiled_step(window)
 
@@ -363,6 +383,7 @@ def accumulate_and_apply(
   inner_state_memory_kind: str | None = None,
   inner_state_axes: Any = None,
   noise_scale_decay: float | None = None,
+  lr_scaling: str | None = None,
 ) -> FusedAccumulation:
   """Gradient accumulation that updates the params itself, in one call.
 
@@ -402,6 +423,7 @@ def accumulate_and_apply(
       :func:`ga_optax.accumulate`.
     noise_scale_decay: measure the gradient noise scale, as for
       :func:`ga_optax.accumulate`.
+    lr_scaling: scale the updates with k, as for :func:`ga_optax.accumulate`.
 
   Returns:
     A :class:`FusedAccumulation` ``(init, apply)``.
@@ -435,6 +457,7 @@ def accumulate_and_apply(
     inner_state_memory_kind=inner_state_memory_kind,
     inner_state_axes=inner_state_axes,
     noise_scale_decay=noise_scale_decay,
+    lr_scaling=lr_scaling,
   )
   step = compiled_step(window)
 

@@ -32,7 +32,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src import dtypes, every_k, residency, run_once, validation
+from ga_optax._src import (
+  adaptive,
+  dtypes,
+  every_k,
+  fp8,
+  residency,
+  run_once,
+  validation,
+)
 from ga_optax._src.noise_scale import Measured, Unmeasured
 from ga_optax._src.output import ApplyToParams, EmitUpdates
 from ga_optax._src.parallel import Parallel
@@ -77,7 +85,8 @@ class Window:
 
   Attributes:
     inner: the wrapped optimizer, taking extra arguments.
-    schedule: ``update_step -> k``.
+    window_length: the first window's k, and each next one's.
+    lr_scaling: how the wrapped optimizer's updates follow k.
     reduction: ``"mean"`` or ``"sum"``.
     accumulator_dtype: floating dtype of the accumulator.
     skip_nonfinite: drop micro-steps whose gradients are not finite.
@@ -89,7 +98,8 @@ class Window:
   """
 
   inner: optax.GradientTransformationExtraArgs
-  schedule: every_k.EveryKSchedule
+  window_length: every_k.WindowLength
+  lr_scaling: adaptive.LearningRateScaling
   reduction: str
   accumulator_dtype: jnp.dtype
   skip_nonfinite: bool
@@ -104,14 +114,23 @@ class Window:
     return dtypes.weight_dtype(self.accumulator_dtype)
 
   def init(self, params: optax.Params) -> AccumulateState:
-    """The state of an empty window, the accumulator shaped like ``params``."""
+    """The state of an empty window, the accumulator shaped like the gradients.
+
+    The gradients are shaped like ``params``, but for Flax variables that
+    hold float8 state (then like their ``"params"``) and for
+    ``optax.lookahead``'s params (then like the fast ones).
+    """
     validation.check_array_leaves(params, "params")
     self.parallel.check_init()
+    params, fp8_state = fp8.split_variables(params)
+    trained = (
+      params.fast if isinstance(params, optax.LookaheadParams) else params
+    )
     accumulator = jax.tree.map(
       lambda param: jnp.zeros_like(
         param, dtypes.sum_dtype(jnp.result_type(param), self.accumulator_dtype)
       ),
-      params,
+      trained,
     )
     inner_state = self.parallel.place_state(
       self.inner, self.inner.init(params), params
@@ -122,6 +141,7 @@ class Window:
     return AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       update_step=jnp.zeros((), jnp.int32),
+      every_k=self.window_length.first(),
       num_skipped=jnp.zeros((), jnp.int32),
       emitted=jnp.zeros((), jnp.bool_),
       weight_sum=jnp.zeros((), self.weight_dtype),
@@ -130,6 +150,7 @@ class Window:
       ),
       inner_state=self.inner_state_home.keep(inner_state, unplaced=unplaced),
       noise_scale=self.noise.init(self.parallel),
+      overwrite=fp8.init_window(fp8_state),
     )
 
   def update(
@@ -175,6 +196,7 @@ class Window:
     new_state = AccumulateState(
       micro_step=jnp.where(decision.closes, 0, decision.micro_step),
       update_step=increment_if(state.update_step, closed["stepped"]),
+      every_k=closed["every_k"],
       num_skipped=increment_if(state.num_skipped, ~admitted.accepted),
       emitted=closed["stepped"],
       weight_sum=jnp.where(
@@ -185,6 +207,7 @@ class Window:
       accumulator=self.accumulator_home.keep(accumulator),
       inner_state=closed["inner_state"],
       noise_scale=closed["noise"],
+      overwrite=state.overwrite,
     )
     return micro_step.emit(output, closed["stepped"]), new_state
 
@@ -203,7 +226,7 @@ class Window:
   ) -> Decision:
     """Counts the micro-step and decides whether the window closes."""
     micro_step = increment_if(state.micro_step, admitted.accepted)
-    closes = (micro_step >= self.schedule(state.update_step)) | flush
+    closes = (micro_step >= state.every_k) | flush
     scale = jnp.ones((), self.accumulator_dtype)
     if not self.parallel.weights_are_global:
       # The window's weight is only known after the closing reduction.
@@ -344,6 +367,7 @@ class MicroStep:
     carry = {
       "inner_state": self.window.inner_state_home.keep(self.state.inner_state),
       "noise": opened["noise"],
+      "every_k": self.state.every_k,
       "stepped": jnp.zeros((), jnp.bool_),
     }
     if self.carrier == "accumulator":
@@ -422,6 +446,9 @@ class MicroStep:
     updates, new_inner_state = window.parallel.inner_update(
       window.inner, reduced, inner_state, params, self.extra_args
     )
+    updates = window.lr_scaling.apply(
+      updates, carry["every_k"], window.window_length.first()
+    )
     # Gradients wider than the params (float32 for bfloat16, say) would
     # widen the optimizer's state; it keeps its dtypes from call to call.
     new_inner_state = window.inner_state_home.keep(
@@ -430,6 +457,13 @@ class MicroStep:
     noise = window.noise.close(
       carry["noise"], reduced, total_weight, window.parallel
     )
+    next_k = window.window_length.next(
+      carry["every_k"],
+      update_step=increment_if(self.state.update_step, jnp.asarray(True)),
+      noise=getattr(noise, "smoothed", None),
+      window_weight=total_weight,
+      full=self.decision.micro_step >= self.state.every_k,
+    )
     return {
       **carry,
       self.carrier: window.output.closing_output(
@@ -437,6 +471,7 @@ class MicroStep:
       ),
       "inner_state": new_inner_state,
       "noise": noise,
+      "every_k": next_k,
       "stepped": jnp.ones((), jnp.bool_),
     }
 

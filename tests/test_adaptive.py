@@ -1,0 +1,357 @@
+"""The batch size, closed loop: adaptive_k and lr_scaling against NumPy.
+
+The reference is the contract written in NumPy: windows of k micro-gradients,
+the per-window noise estimates, their debiased moving averages, and the rule
+that moves k when a full window closes. For fixed micro-gradients and
+weights the k of every window and every emitted update (SGD with learning
+rate 1: minus the window's weighted mean, times the learning-rate scale)
+must equal it, on one device and on 8 (inside ``shard_map``, each device's
+gradient a micro-gradient of its own weight, every device deciding the same
+k). A run saved with orbax mid-window, or just after k changed, resumes
+bit-identically; bad configurations are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ga_optax
+
+DECAY = 0.5
+DEVICES = 8
+
+
+def flat(tree) -> np.ndarray:
+  return np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(tree)])
+
+
+def reference_run(micro_gradients, weights, rule, *, decay, lr_scaling=None):
+  """The contract in NumPy: each window's k, its update, and the next k.
+
+  ``micro_gradients`` is a list of flat arrays, or of lists of flat arrays
+  (one per device: each a micro-gradient of its own weight).
+  """
+  k, first_k = rule["initial_k"], rule["initial_k"]
+  grad_sq = trace_sigma = debias = 0.0
+  window: list[tuple[np.ndarray, float]] = []
+  steps = 0
+  ks, updates = [], []
+  for gradient, weight in zip(micro_gradients, weights, strict=True):
+    per_device = gradient if isinstance(gradient, list) else [gradient]
+    device_weights = weight if isinstance(weight, list) else [weight]
+    window += list(zip(per_device, device_weights, strict=True))
+    steps += 1
+    if steps < k:
+      continue
+    total = sum(w for _, w in window)
+    mean = sum(w * g for g, w in window) / total
+    count = len([w for _, w in window if w > 0])
+    if count >= 2:
+      squares = sum(w * float(g @ g) for g, w in window)
+      window_trace = (squares - total * float(mean @ mean)) / (count - 1)
+      window_grad_sq = float(mean @ mean) - window_trace / total
+      grad_sq = decay * grad_sq + (1 - decay) * window_grad_sq
+      trace_sigma = decay * trace_sigma + (1 - decay) * window_trace
+      debias = decay * debias + (1 - decay)
+    scale = {None: 1.0, "sqrt": math.sqrt(k / first_k), "linear": k / first_k}
+    ks.append(k)
+    updates.append(-mean * scale[lr_scaling])
+    b_simple = (
+      (trace_sigma / debias) / (grad_sq / debias) if debias else math.nan
+    )
+    factor, threshold = rule["factor"], rule["threshold"]
+    large = math.isinf(b_simple) or b_simple < 0
+    if (large or b_simple >= threshold * factor * total) and (
+      k * factor <= rule["max_k"]
+    ):
+      k *= factor
+    elif (
+      rule.get("min_k")
+      and 0 <= b_simple < total / (threshold * factor)
+      and k // factor >= rule["min_k"]
+    ):
+      k //= factor
+    window, steps = [], 0
+  return ks, updates
+
+
+RULE = {"initial_k": 2, "max_k": 8, "min_k": 1, "factor": 2, "threshold": 1.0}
+
+
+def phased_gradients(rng, count, shape=(4,)):
+  """Noise that swamps the gradient, then a gradient that swamps the noise.
+
+  First, micro-gradients of alternating sign around a small mean (B_simple
+  far above any batch, or negative: k must grow); then nearly equal ones
+  (B_simple near 0: k must shrink back).
+  """
+  gradients = []
+  for index in range(count):
+    if index < count // 2:
+      center = 3.0 * (-1.0) ** index
+      spread = 0.3
+    else:
+      center, spread = 5.0, 0.01
+    gradients.append(
+      (center + spread * rng.normal(size=shape)).astype(np.float32)
+    )
+  return gradients
+
+
+def run_accumulate(tx, gradients, weights, *, fused=False):
+  params = {"w": jnp.zeros(gradients[0].shape)}
+  state = tx.init(params)
+  ks, updates = [], []
+  step = jax.jit(tx.apply if fused else tx.update)
+  for gradient, weight in zip(gradients, weights, strict=True):
+    k = int(ga_optax.current_k(state))
+    if fused:
+      new_params, state = step(params, {"w": gradient}, state, weight=weight)
+      update = flat(new_params) - flat(params)
+      params = new_params
+    else:
+      emitted, state = step({"w": gradient}, state, params, weight=weight)
+      update = flat(emitted)
+    assert np.all(np.isfinite(update))
+    if bool(ga_optax.emitted(state)):
+      ks.append(k)
+      updates.append(update)
+  return ks, updates, state
+
+
+@pytest.mark.parametrize("lr_scaling", [None, "sqrt", "linear"])
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply"])
+def test_k_and_updates_follow_the_reference(lr_scaling, fused):
+  rng = np.random.default_rng(0)
+  gradients = phased_gradients(rng, 96)
+  weights = [float(w) for w in rng.integers(1, 5, size=96)]
+  make = ga_optax.accumulate_and_apply if fused else ga_optax.accumulate
+  tx = make(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(2, max_k=8, min_k=1),
+    noise_scale_decay=DECAY,
+    lr_scaling=lr_scaling,
+  )
+  ks, updates, _ = run_accumulate(tx, gradients, weights, fused=fused)
+  expected_ks, expected_updates = reference_run(
+    gradients, weights, RULE, decay=DECAY, lr_scaling=lr_scaling
+  )
+  assert ks == expected_ks
+  # The run is worth checking: k grew to max_k and came back down.
+  assert max(ks) == 8 and ks[-1] < 8, ks
+  for update, expected in zip(updates, expected_updates, strict=True):
+    np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
+
+
+def test_lr_scaling_follows_a_dict_schedule_too():
+  # sqrt(k / k0) with k0 the first window's k, for any every_k.
+  rng = np.random.default_rng(1)
+  gradients = [rng.normal(size=3).astype(np.float32) for _ in range(2 + 8)]
+  tx = ga_optax.accumulate(optax.sgd(1.0), {0: 2, 1: 8}, lr_scaling="sqrt")
+  ks, updates, _ = run_accumulate(tx, gradients, [1.0] * 10)
+  assert ks == [2, 8]
+  np.testing.assert_allclose(updates[0], -np.mean(gradients[:2], axis=0))
+  np.testing.assert_allclose(
+    updates[1], -2.0 * np.mean(gradients[2:], axis=0), rtol=1e-6
+  )
+
+
+def test_a_flushed_window_does_not_move_k():
+  rng = np.random.default_rng(2)
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0), ga_optax.adaptive_k(2, max_k=8), noise_scale_decay=0.0
+  )
+  params = {"w": jnp.zeros(4)}
+  state = tx.init(params)
+  # Pure noise: a full window here would double k.
+  for index in range(3):
+    gradient = {"w": (3.0 * rng.normal(size=4)).astype(np.float32)}
+    _, state = tx.update(gradient, state, params, flush=index == 2)
+    if index == 1:
+      assert int(ga_optax.current_k(state)) == 4
+  assert bool(ga_optax.emitted(state))
+  assert int(ga_optax.current_k(state)) == 4
+
+
+def test_skipped_micro_steps_do_not_count():
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(2, max_k=8),
+    noise_scale_decay=0.0,
+    skip_nonfinite=True,
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for gradient in ([1.0, -1.0], [jnp.nan, 0.0], [-1.0, 1.0]):
+    _, state = tx.update({"w": jnp.array(gradient)}, state, params)
+  # Two kept micro-steps, pure noise: k doubled once, the NaN not counted.
+  assert int(ga_optax.num_skipped(state)) == 1
+  assert int(ga_optax.applied_updates(state)) == 1
+  assert int(ga_optax.current_k(state)) == 4
+
+
+# Eight devices inside shard_map: each device's gradient is a micro-gradient
+# of its own weight, and every device decides the same k.
+
+
+def test_every_device_decides_the_same_k_inside_shard_map():
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+  rng = np.random.default_rng(3)
+  steps = 24
+  per_device = [phased_gradients(rng, DEVICES) for _ in range(steps)]
+  per_device = [
+    [g * (1.0 if step < steps // 2 else 0.2) for g in grads]
+    for step, grads in enumerate(per_device)
+  ]
+  weights = [
+    [float(w) for w in rng.integers(1, 4, size=DEVICES)] for _ in range(steps)
+  ]
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(2, max_k=8, min_k=1),
+    noise_scale_decay=DECAY,
+    axis_name="data",
+  )
+
+  def local_step(params, state, gradient, weight):
+    updates, state = tx.update(
+      {"w": gradient[0]}, state, params, weight=weight[0]
+    )
+    return updates, state
+
+  step = jax.jit(
+    jax.shard_map(
+      local_step,
+      mesh=mesh,
+      in_specs=(P(), P(), P("data"), P("data")),
+      out_specs=(P(), P()),
+      check_vma=False,
+    )
+  )
+  params = {"w": jnp.zeros(4)}
+  state = tx.init(params)
+  ks, updates = [], []
+  with jax.set_mesh(mesh):
+    for gradients, device_weights in zip(per_device, weights, strict=True):
+      k = int(ga_optax.current_k(state))
+      emitted, state = step(
+        params,
+        state,
+        jax.device_put(np.stack(gradients), P("data")),
+        jax.device_put(np.asarray(device_weights, np.float32), P("data")),
+      )
+      decided = {int(shard.data) for shard in state.every_k.addressable_shards}
+      assert len(decided) == 1, decided
+      if bool(ga_optax.emitted(state)):
+        ks.append(k)
+        updates.append(flat(emitted))
+  expected_ks, expected_updates = reference_run(
+    per_device, weights, RULE, decay=DECAY
+  )
+  assert ks == expected_ks
+  assert len(set(ks)) > 1, ks
+  for update, expected in zip(updates, expected_updates, strict=True):
+    np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
+
+
+# Checkpoints: k is state.
+
+
+@pytest.mark.parametrize("stop_after", [5, 6], ids=["mid_window", "at_change"])
+def test_a_saved_run_resumes_bit_identically(tmp_path, stop_after):
+  rng = np.random.default_rng(4)
+  gradients = phased_gradients(rng, 40)
+  tx = ga_optax.accumulate(
+    optax.adam(1e-2),
+    ga_optax.adaptive_k(2, max_k=8, min_k=1),
+    noise_scale_decay=DECAY,
+    lr_scaling="sqrt",
+  )
+  step = jax.jit(tx.update)
+  params = {"w": jnp.zeros(4)}
+
+  def run(state, params, gradients):
+    for gradient in gradients:
+      updates, state = step({"w": gradient}, state, params)
+      params = optax.apply_updates(params, updates)
+    return state, params
+
+  unstopped = run(tx.init(params), params, gradients)
+  saved = run(tx.init(params), params, gradients[:stop_after])
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "run", saved)
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(
+      tmp_path / "run",
+      jax.tree.map(ocp.utils.to_shape_dtype_struct, (tx.init(params), params)),
+    )
+  resumed = run(*restored, gradients[stop_after:])
+  # The windows so far: 2 and 4 micro-steps (noise doubled k at the first
+  # close), so the save after 6 is right after a change and the one after 5
+  # is in the middle of a window.
+  assert int(ga_optax.current_k(saved[0])) != 2
+  for got, want in zip(
+    jax.tree.leaves(resumed), jax.tree.leaves(unstopped), strict=True
+  ):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_consolidating_partial_sums_keeps_k():
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(2, max_k=8),
+    noise_scale_decay=0.0,
+    axis_name="data",
+  )
+  state = tx.init({"w": jnp.zeros(3)})._replace(every_k=jnp.int32(4))
+  assert int(ga_optax.current_k(ga_optax.consolidate(state))) == 4
+
+
+# Bad configurations, refused by name.
+
+
+@pytest.mark.parametrize(
+  ("make", "error", "match"),
+  [
+    (lambda: ga_optax.adaptive_k(4, max_k=2), ValueError, "max_k"),
+    (lambda: ga_optax.adaptive_k(4, max_k=8, factor=1), ValueError, "factor"),
+    (lambda: ga_optax.adaptive_k(4, max_k=8, factor=2.0), TypeError, "factor"),
+    (lambda: ga_optax.adaptive_k(4, max_k=8, min_k=8), ValueError, "min_k"),
+    (lambda: ga_optax.adaptive_k(0, max_k=8), ValueError, "initial_k"),
+    (
+      lambda: ga_optax.adaptive_k(4, max_k=8, threshold=0.0),
+      ValueError,
+      "threshold",
+    ),
+    (
+      lambda: ga_optax.accumulate(
+        optax.sgd(1.0), ga_optax.adaptive_k(2, max_k=8)
+      ),
+      ValueError,
+      "noise_scale_decay",
+    ),
+    (
+      lambda: ga_optax.accumulate(optax.sgd(1.0), 2, lr_scaling="cubic"),
+      ValueError,
+      "lr_scaling",
+    ),
+    (
+      lambda: ga_optax.accumulate_and_apply(
+        optax.sgd(1.0), 2, lr_scaling="Sqrt"
+      ),
+      ValueError,
+      "lr_scaling",
+    ),
+  ],
+)
+def test_bad_configurations_are_refused_by_name(make, error, match):
+  with pytest.raises(error, match=match):
+    make()

@@ -262,6 +262,71 @@ def test_every_device_decides_the_same_k_inside_shard_map():
     np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("zero", [False, True], ids=["unreduced", "zero1"])
+def test_every_device_decides_the_same_k_under_plain_jit(zero):
+  """unreduced_axes (and ZeRO-1): each device's partial sum, times D, is a
+  micro-gradient of the batch's D-th part; k is one replicated value."""
+  mesh = jax.make_mesh(
+    (DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+  )
+  rows_per_device, steps = 2, 24
+  rng = np.random.default_rng(6)
+  batches = [
+    np.stack(phased_gradients(rng, DEVICES * rows_per_device))
+    * (1.0 if step < steps // 2 else 0.2)
+    for step in range(steps)
+  ]
+
+  def loss(params, batch):
+    # The gradient is the mean of the rows: each row a chosen gradient.
+    return jnp.mean(batch["g"] @ params["w"])
+
+  value_and_grad = ga_optax.unreduced_value_and_grad(
+    loss, weight_fn=lambda batch: jnp.float32(batch["g"].shape[0])
+  )
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(2, max_k=8, min_k=1),
+    noise_scale_decay=DECAY,
+    unreduced_axes="data",
+    inner_state_axes="data" if zero else None,
+  )
+
+  @jax.jit
+  def step(params, state, batch):
+    _, grads = value_and_grad(params, batch)
+    return tx.update(grads, state, params, weight=batch["g"].shape[0])
+
+  ks, updates = [], []
+  with jax.set_mesh(mesh):
+    params = jax.device_put({"w": jnp.zeros(4)}, P())
+    state = tx.init(params)
+    for batch in batches:
+      k = int(ga_optax.current_k(state))
+      emitted, state = step(
+        params, state, jax.device_put({"g": batch}, P("data"))
+      )
+      assert state.every_k.sharding.is_fully_replicated
+      if bool(ga_optax.emitted(state)):
+        ks.append(k)
+        updates.append(flat(emitted))
+  per_device = [
+    [
+      batch[d * rows_per_device : (d + 1) * rows_per_device].mean(axis=0)
+      for d in range(DEVICES)
+    ]
+    for batch in batches
+  ]
+  weights = [[float(rows_per_device)] * DEVICES for _ in batches]
+  expected_ks, expected_updates = reference_run(
+    per_device, weights, RULE, decay=DECAY
+  )
+  assert ks == expected_ks
+  assert len(set(ks)) > 1, ks
+  for update, expected in zip(updates, expected_updates, strict=True):
+    np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
+
+
 # Checkpoints: k is state.
 
 

@@ -122,6 +122,12 @@ ONE_GPU = {
   "noise_scale": lambda: accumulate_case(
     optax.adam(1e-3), noise_scale_decay=0.9
   ),
+  "adaptive_k_sqrt_lr": lambda: accumulate_case(
+    optax.adam(1e-3),
+    every_k=ga_optax.adaptive_k(2, max_k=16),
+    noise_scale_decay=0.9,
+    lr_scaling="sqrt",
+  ),
   "bf16_params_f32_accumulator": lambda: accumulate_case(
     optax.adam(1e-3), jnp.bfloat16
   ),
@@ -240,6 +246,12 @@ EXPLICIT_CASES = {
   ),
   "unreduced_noise_scale": lambda: unreduced_case(
     fused=False, noise_scale_decay=0.9
+  ),
+  "unreduced_adaptive_k": lambda: unreduced_case(
+    fused=True,
+    every_k=ga_optax.adaptive_k(2, max_k=16),
+    noise_scale_decay=0.9,
+    lr_scaling="sqrt",
   ),
   "zero1": lambda: unreduced_case(fused=False, inner_state_axes="data"),
   "zero1_fused": lambda: unreduced_case(fused=True, inner_state_axes="data"),

@@ -25,7 +25,10 @@ there; elsewhere they are skipped with the command that enables them.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -333,6 +336,45 @@ def test_eight_gpus_under_shard_map(case):
   assert [c for c in closing.collectives if c not in summed] == [
     c for c in closing.collectives if c.operand_bytes <= SCALAR_BYTES
   ]
+
+
+# Bytes moved on the reference MLP's steps (4 x 1024^2 here, to compile
+# fast: the ratios hold at 2048 too, see docs/benchmarks.md), against
+# MultiSteps, a plain Adam step and a hand-written scan: the targets of the
+# contract, on deterministic compiler figures.
+
+
+def load_benchmark(name: str) -> Any:
+  root = pathlib.Path(__file__).resolve().parent.parent
+  spec = importlib.util.spec_from_file_location(
+    f"benchmark_{name}", root / "benchmarks" / f"{name}.py"
+  )
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_bytes_moved_meet_the_targets():
+  benchmark = load_benchmark("compiled")
+  workload = benchmark.workloads_lib.mlp(1024, 4, 8, 4)
+  records = {
+    name: benchmark.audit(
+      compiled(step, workload.params, state, batch, donate_argnums=(0, 1))
+    )
+    for name, (step, state, batch) in benchmark.steps(workload).items()
+  }
+  rows = benchmark.ratios(records)
+  assert len(rows) == len(benchmark.TARGETS)
+  for row in rows:
+    assert 0 < row["ratio"] <= row["target"], row
+  for name in (
+    "ga_optax.accumulate",
+    "ga_optax.accumulate + noise scale",
+    "ga_optax.accumulate_and_apply",
+  ):
+    assert records[name]["micro_step"]["copies_of_1_mib_or_more"] == 0, name
 
 
 # The planted controls: what the audits see in the windows they forbid.

@@ -52,6 +52,11 @@ class AdaptiveK:
     """The first window's k."""
     return jnp.asarray(self.initial_k, jnp.int32)
 
+  def current(self, every_k: jax.Array, update_step: jax.Array) -> jax.Array:
+    """The state's k: the windows closed so far decided it."""
+    del update_step
+    return every_k
+
   def next(
     self,
     k: jax.Array,

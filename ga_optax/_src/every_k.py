@@ -33,6 +33,10 @@ class WindowLength(Protocol):
     """The first window's k, an int32 scalar."""
     ...
 
+  def current(self, every_k: jax.Array, update_step: jax.Array) -> jax.Array:
+    """The open window's k, from the state's k and applied-update count."""
+    ...
+
   def next(
     self,
     k: jax.Array,
@@ -67,6 +71,11 @@ class Scheduled:
 
   def first(self) -> jax.Array:
     return self.schedule(jnp.zeros((), jnp.int32))
+
+  def current(self, every_k: jax.Array, update_step: jax.Array) -> jax.Array:
+    """The schedule's k: a state resumed under another schedule follows it."""
+    del every_k
+    return self.schedule(update_step)
 
   def next(
     self,

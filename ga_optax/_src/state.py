@@ -33,7 +33,10 @@ class AccumulateState(NamedTuple):
       argument of a callable or dict ``every_k`` (read it with
       :func:`ga_optax.applied_updates`).
     every_k: int32, the k of the open window, decided when the previous
-      window closed (read it with :func:`ga_optax.current_k`).
+      window closed (read it with :func:`ga_optax.current_k`). With
+      :func:`ga_optax.adaptive_k` the windows so far decided it; with a
+      schedule the schedule does, so a state resumed under another
+      ``every_k`` follows the new one from its next call.
     num_skipped: int32, non-finite micro-steps dropped by
       ``skip_nonfinite=True`` over the whole run (read it with
       :func:`ga_optax.num_skipped`).

@@ -59,6 +59,7 @@ class Decision(NamedTuple):
 
   Attributes:
     micro_step: the open window's micro-steps, this one included.
+    every_k: the open window's k.
     closes: the window closes on this call (full, or flushed).
     steps: the call runs the closing side (a window that closes with no
       weight on a device that knows the window's whole weight does not).
@@ -68,6 +69,7 @@ class Decision(NamedTuple):
   """
 
   micro_step: jax.Array
+  every_k: jax.Array
   closes: jax.Array
   steps: jax.Array
   scale: jax.Array
@@ -185,10 +187,11 @@ class Window:
       micro_step.open_carry(),
       name=run_once.KEEP_OPEN,
     )
+    closing = ClosingSide(micro_step, opened["accumulator"])
     closed = run_once.run_once_if(
       decision.steps,
-      functools.partial(micro_step.close, opened["accumulator"]),
-      micro_step.closing_carry(opened),
+      closing.close,
+      closing.carry(opened),
       name=run_once.CLOSE_WINDOW,
     )
     output = closed[micro_step.carrier]
@@ -226,56 +229,29 @@ class Window:
   ) -> Decision:
     """Counts the micro-step and decides whether the window closes."""
     micro_step = increment_if(state.micro_step, admitted.accepted)
-    closes = (micro_step >= state.every_k) | flush
+    every_k = self.window_length.current(state.every_k, state.update_step)
+    closes = (micro_step >= every_k) | flush
     scale = jnp.ones((), self.accumulator_dtype)
     if not self.parallel.weights_are_global:
       # The window's weight is only known after the closing reduction.
-      return Decision(micro_step, closes, closes, scale)
+      return Decision(micro_step, every_k, closes, closes, scale)
     steps = closes & (admitted.weight_sum > 0)
     if self.reduction == "mean":
       weight_sum = jnp.where(steps, admitted.weight_sum, 1.0)
       scale = jnp.where(steps, 1.0 / weight_sum, 1.0).astype(scale.dtype)
-    return Decision(micro_step, closes, steps, scale)
-
-  def add(
-    self,
-    accumulator: optax.Updates,
-    grads: optax.Updates,
-    state: AccumulateState,
-    weight: Any,
-    admitted: Admitted,
-    decision: Decision,
-  ) -> optax.Updates:
-    """The accumulator with ``weight * grads`` added, scaled by ``decision``.
-
-    The first micro-step of a window overwrites the stale buffer: a select,
-    not a multiply, since a stale buffer may hold anything, NaN too.
-    """
-    restarts = state.micro_step == 0
-    weight = self.parallel.factor(weight)
-    scale = self.parallel.factor(decision.scale)
-    scaled = self.parallel.weights_are_global and self.reduction == "mean"
-
-    def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
-      kept = jnp.where(restarts, jnp.zeros_like(total), total)
-      added = kept + _weighted(grad, weight, total.dtype)
-      if self.skip_nonfinite:
-        added = jnp.where(admitted.accepted, added, total)
-      return added * scale.astype(added.dtype) if scaled else added
-
-    return jax.tree.map(add_grad, accumulator, grads)
+    return Decision(micro_step, every_k, closes, steps, scale)
 
 
 @dataclasses.dataclass
 class MicroStep:
-  """One ``update`` call's two sides: keep the window open, or close it.
+  """One ``update`` call: what both its sides read, and the side that adds.
 
   Each side is the body of a loop of at most one trip
   (:func:`ga_optax._src.run_once.run_once_if`) and carries only what it
-  writes: keeping the window open adds the gradient into the accumulator;
-  closing it adds the last gradient, reduces over the devices, normalises
-  and steps the wrapped optimizer once, writing its output (updates, or new
-  params) into the :attr:`carrier`'s buffer.
+  writes: keeping the window open (:meth:`keep_open`) adds the gradient into
+  the accumulator; closing it (:class:`ClosingSide`) adds the last gradient,
+  reduces, normalises and steps the wrapped optimizer once, writing its
+  output into the :attr:`carrier`'s buffer.
 
   Attributes:
     window: the accumulation's configuration.
@@ -331,10 +307,25 @@ class MicroStep:
     return self.window.output.carrier(self.updates_like, carriers)
 
   def added(self, accumulator: optax.Updates, grads: optax.Updates) -> Any:
-    """``accumulator`` with this micro-step's gradient added."""
-    return self.window.add(
-      accumulator, grads, self.state, self.weight, self.admitted, self.decision
-    )
+    """``accumulator`` with ``weight * grads`` added, scaled by the decision.
+
+    The first micro-step of a window overwrites the stale buffer: a select,
+    not a multiply, since a stale buffer may hold anything, NaN too.
+    """
+    window, admitted = self.window, self.admitted
+    restarts = self.state.micro_step == 0
+    weight = window.parallel.factor(self.weight)
+    scale = window.parallel.factor(self.decision.scale)
+    scaled = window.parallel.weights_are_global and window.reduction == "mean"
+
+    def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
+      kept = jnp.where(restarts, jnp.zeros_like(total), total)
+      added = kept + _weighted(grad, weight, total.dtype)
+      if window.skip_nonfinite:
+        added = jnp.where(admitted.accepted, added, total)
+      return added * scale.astype(added.dtype) if scaled else added
+
+    return jax.tree.map(add_grad, accumulator, grads)
 
   def open_carry(self) -> dict[str, Any]:
     """What keeping the window open writes: the accumulator, the noise sums."""
@@ -358,31 +349,60 @@ class MicroStep:
       "noise": self.window.noise.reset(noise, self.decision.closes),
     }
 
-  def closing_carry(self, opened: dict[str, Any]) -> dict[str, Any]:
+  def emit(self, output: Any, stepped: jax.Array) -> Any:
+    """The closing side's output as the caller sees it."""
+    return self.window.output.emit(
+      output, stepped, self.updates_like, self.carrier
+    )
+
+
+@dataclasses.dataclass
+class ClosingSide:
+  """The side of a micro-step that closes the window.
+
+  It adds the last gradient, reduces the window over the devices,
+  normalises it and steps the wrapped optimizer once, writing its output
+  (updates, or new params) into the micro-step's carrier buffer; then it
+  decides the next window's k.
+
+  Attributes:
+    micro_step: the micro-step it is a side of.
+    opened_accumulator: the accumulator as the other side left it
+      (untouched, since this side runs instead), read when it does not carry
+      the output.
+  """
+
+  micro_step: MicroStep
+  opened_accumulator: optax.Updates
+
+  def carry(self, opened: dict[str, Any]) -> dict[str, Any]:
     """What closing the window writes, its output's buffer among them.
 
     The accumulator is carried only when it is that buffer; otherwise the
     closing side reads it where keeping the window open left it.
     """
+    micro_step = self.micro_step
     carry = {
-      "inner_state": self.window.inner_state_home.keep(self.state.inner_state),
+      "inner_state": micro_step.window.inner_state_home.keep(
+        micro_step.state.inner_state
+      ),
       "noise": opened["noise"],
-      "every_k": self.state.every_k,
+      "every_k": micro_step.decision.every_k,
       "stepped": jnp.zeros((), jnp.bool_),
     }
-    if self.carrier == "accumulator":
+    if micro_step.carrier == "accumulator":
       carry["accumulator"] = opened["accumulator"]
-    elif self.carrier == "grads":
-      carry["grads"] = self.grads
-    elif self.carrier == "params":
-      carry["params"] = self.params
+    elif micro_step.carrier == "grads":
+      carry["grads"] = micro_step.grads
+    elif micro_step.carrier == "params":
+      carry["params"] = micro_step.params
     else:
-      carry["zeros"] = optax.tree.zeros_like(self.updates_like)
+      carry["zeros"] = optax.tree.zeros_like(micro_step.updates_like)
     return carry
 
   def normalised(self, sums: Any, weight_sum: jax.Array) -> Any:
     """The reduced window's mean, where its weight was not known before."""
-    window = self.window
+    window = self.micro_step.window
     if window.parallel.weights_are_global or window.reduction != "mean":
       return sums
     # The guard keeps a window without weight from computing 0 / 0; such a
@@ -390,35 +410,29 @@ class MicroStep:
     scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
     return jax.tree.map(lambda total: total * scale.astype(total.dtype), sums)
 
-  def close(
-    self, opened_accumulator: optax.Updates, carry: dict[str, Any]
-  ) -> dict[str, Any]:
-    """The closing side: add, reduce, normalise, step the optimizer once.
-
-    ``opened_accumulator`` is the accumulator as keeping the window open
-    left it (untouched, since this side runs instead), read when it does not
-    carry the output.
-    """
-    window = self.window
+  def close(self, carry: dict[str, Any]) -> dict[str, Any]:
+    """The closing side: add, reduce, normalise, step the optimizer once."""
+    micro_step = self.micro_step
+    window = micro_step.window
     # A buffer that carries the output is read from the carry, so that it
     # is overwritten in place rather than copied.
-    grads = carry.get("grads", self.grads)
-    accumulator = carry.get("accumulator", opened_accumulator)
+    grads = carry.get("grads", micro_step.grads)
+    accumulator = carry.get("accumulator", self.opened_accumulator)
     noise = window.noise.add(
       carry["noise"],
       grads,
-      self.weight,
-      self.admitted.accepted,
+      micro_step.weight,
+      micro_step.admitted.accepted,
       window.parallel,
     )
     sums, total_weight = window.parallel.reduce(
-      self.added(accumulator, grads),
-      self.admitted.weight_sum,
-      carry.get("params", self.params),
+      micro_step.added(accumulator, grads),
+      micro_step.admitted.weight_sum,
+      carry.get("params", micro_step.params),
     )
     sums = self.normalised(sums, total_weight)
     reduced = jax.tree.map(
-      lambda total, grad: total.astype(grad.dtype), sums, self.grads
+      lambda total, grad: total.astype(grad.dtype), sums, micro_step.grads
     )
     carry = {**carry, "noise": noise}
     step = functools.partial(self.step_inner, reduced, total_weight)
@@ -439,12 +453,13 @@ class MicroStep:
     self, reduced: Any, total_weight: jax.Array, carry: dict[str, Any]
   ) -> dict[str, Any]:
     """The wrapped optimizer's one step on the window's reduced gradient."""
-    window = self.window
-    params = carry.get("params", self.params)
+    micro_step = self.micro_step
+    window = micro_step.window
+    params = carry.get("params", micro_step.params)
     # A state kept in host memory visits the device here, and only here.
     inner_state = residency.to_device(carry["inner_state"])
     updates, new_inner_state = window.parallel.inner_update(
-      window.inner, reduced, inner_state, params, self.extra_args
+      window.inner, reduced, inner_state, params, micro_step.extra_args
     )
     updates = window.lr_scaling.apply(
       updates, carry["every_k"], window.window_length.first()
@@ -459,27 +474,21 @@ class MicroStep:
     )
     next_k = window.window_length.next(
       carry["every_k"],
-      update_step=increment_if(self.state.update_step, jnp.asarray(True)),
+      update_step=increment_if(micro_step.state.update_step, jnp.asarray(True)),
       noise=getattr(noise, "smoothed", None),
       window_weight=total_weight,
-      full=self.decision.micro_step >= self.state.every_k,
+      full=micro_step.decision.micro_step >= micro_step.decision.every_k,
     )
     return {
       **carry,
-      self.carrier: window.output.closing_output(
-        updates, params, carry[self.carrier]
+      micro_step.carrier: window.output.closing_output(
+        updates, params, carry[micro_step.carrier]
       ),
       "inner_state": new_inner_state,
       "noise": noise,
       "every_k": next_k,
       "stepped": jnp.ones((), jnp.bool_),
     }
-
-  def emit(self, output: Any, stepped: jax.Array) -> Any:
-    """The closing side's output as the caller sees it."""
-    return self.window.output.emit(
-      output, stepped, self.updates_like, self.carrier
-    )
 
 
 def _with_dtypes_of(tree: Any, like: Any) -> Any:

@@ -44,12 +44,14 @@ WINDOW = "ga_optax/_src/window.py"
 RUN_ONCE = "ga_optax/_src/run_once.py"
 OUTPUT = "ga_optax/_src/output.py"
 MICROBATCH = "ga_optax/_src/microbatch_scan.py"
+MICROBATCH_DEVICES = "ga_optax/_src/microbatch_devices.py"
 HLO = "ga_optax/_src/hlo.py"
 DEVICE_MEMORY = "ga_optax/_src/device_memory.py"
 PLANNER = "ga_optax/_src/planner.py"
 TREE_DIFFERENCE = "ga_optax/_src/tree_difference.py"
 BATCHNORM = "ga_optax/_src/batchnorm.py"
 NOISE_SCALE = "ga_optax/_src/noise_scale.py"
+ADAPTIVE = "ga_optax/_src/adaptive.py"
 ELASTIC = "ga_optax/_src/elastic.py"
 COLLECTIVE = "ga_optax/_src/parallel/collective.py"
 UNREDUCED = "ga_optax/_src/parallel/unreduced.py"
@@ -112,7 +114,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "scale = jnp.where(steps, 1.0 / weight_sum, 1.0).astype(scale.dtype)",
         "scale = jnp.where(\n"
         "        steps,\n"
-        "        micro_step / (weight_sum * self.schedule(state.update_step)),\n"
+        "        micro_step / (weight_sum * every_k),\n"
         "        1.0,\n"
         "      ).astype(scale.dtype)",
       ),
@@ -175,8 +177,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "closes = (micro_step >= self.schedule(state.update_step)) | flush",
-        "closes = (micro_step > self.schedule(state.update_step)) | flush",
+        "closes = (micro_step >= every_k) | flush",
+        "closes = (micro_step > every_k) | flush",
       ),
     ),
     tests=("tests/test_accumulate.py",),
@@ -358,6 +360,24 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=("tests/test_dtypes.py::test_eagerly",),
   ),
+  Mutant(
+    name="carrier_dtype_ignored",
+    guarantee="dtypes (the updates' own precision)",
+    defect="the closing side writes the updates into the first buffer of"
+    " their shapes, whatever its dtype: a bfloat16 accumulator rounds the"
+    " updates of float32 params",
+    edits=(
+      Edit(
+        OUTPUT,
+        "    update.shape == slot.shape\n"
+        "    and jnp.promote_types(update.dtype, slot.dtype) == slot.dtype\n",
+        "    update.shape == slot.shape\n",
+      ),
+    ),
+    tests=(
+      "tests/test_dtypes.py::test_a_bfloat16_accumulator_gives_float32_exact_updates",
+    ),
+  ),
   # In-step micro-batching.
   Mutant(
     name="microbatch_sum_in_param_dtype",
@@ -414,6 +434,26 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="microbatch_devices_share_rng",
+    guarantee="in-step micro-batching (each device's own dropout masks)",
+    defect="under plain jit the rng reaches every device unfolded by its"
+    " index: the devices draw the same dropout masks for different rows",
+    edits=(
+      Edit(
+        MICROBATCH_DEVICES,
+        "    if local.rng is not None:\n"
+        "      # Devices hold different entries: they must not share dropout masks.\n"
+        "      local = local._replace(\n"
+        "        rng=jax.random.fold_in(local.rng, jax.lax.axis_index(axes))\n"
+        "      )\n",
+        "",
+      ),
+    ),
+    tests=(
+      "tests/test_microbatch.py::test_rng_differs_across_devices_under_plain_jit",
+    ),
+  ),
+  Mutant(
     name="batchnorm_between_not_rescaled",
     guarantee="BatchNorm statistics once per effective batch",
     defect="the variance between micro-batches is read off the stored"
@@ -444,6 +484,70 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_memory_kinds.py::test_every_update_keeps_the_state_there_and_the_numbers",
     ),
   ),
+  # The batch size, closed loop.
+  Mutant(
+    name="adaptive_k_moved_by_a_flush",
+    guarantee="batch size, closed loop (a flushed window moves nothing)",
+    defect="a flushed window's weight decides the next k as a full one does",
+    edits=(
+      Edit(
+        WINDOW,
+        "full=micro_step.decision.micro_step >= micro_step.decision.every_k,",
+        "full=jnp.asarray(True),",
+      ),
+    ),
+    tests=("tests/test_adaptive.py::test_a_flushed_window_does_not_move_k",),
+  ),
+  Mutant(
+    name="adaptive_k_counts_micro_steps_not_weight",
+    guarantee="batch size, closed loop (B_simple against the window's weight)",
+    defect="B_simple is compared with k, the micro-steps, instead of the"
+    " window's total weight in the unit of the weights",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "    window_weight = window_weight.astype(b_simple.dtype)",
+        "    window_weight = k.astype(b_simple.dtype)",
+      ),
+    ),
+    tests=("tests/test_adaptive.py::test_k_and_updates_follow_the_reference",),
+  ),
+  Mutant(
+    name="lr_scaling_rules_swapped",
+    guarantee="batch size, closed loop (lr_scaling)",
+    defect="'sqrt' scales the updates by k / k0 and 'linear' by its root",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        'scale = jnp.sqrt(ratio) if self.rule == "sqrt" else ratio',
+        'scale = ratio if self.rule == "sqrt" else jnp.sqrt(ratio)',
+      ),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_k_and_updates_follow_the_reference",
+      "tests/test_adaptive.py::test_lr_scaling_follows_a_dict_schedule_too",
+    ),
+  ),
+  Mutant(
+    name="schedule_k_frozen_in_the_state",
+    guarantee="elastic (a state resumed under another every_k follows it)",
+    defect="a schedule's k is read from the state, as an adaptive k is: a"
+    " run resumed with another k keeps the saved one",
+    edits=(
+      Edit(
+        "ga_optax/_src/every_k.py",
+        '    """The schedule\'s k: a state resumed under another schedule follows it."""\n'
+        "    del every_k\n"
+        "    return self.schedule(update_step)",
+        '    """The schedule\'s k: a state resumed under another schedule follows it."""\n'
+        "    del update_step\n"
+        "    return every_k",
+      ),
+    ),
+    tests=(
+      "tests/test_plain_jit_mesh.py::test_a_window_boundary_resumes_on_other_devices_with_another_k",
+    ),
+  ),
   # The gradient noise scale.
   Mutant(
     name="noise_scale_not_debiased",
@@ -459,6 +563,22 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
     ),
     tests=("tests/test_noise_scale.py::test_one_device_matches_numpy",),
+  ),
+  Mutant(
+    name="noise_scale_complex_squared",
+    guarantee="gradient noise scale (complex params)",
+    defect="a complex gradient's squared norm is read as the real part of"
+    " the sum of z**2, not as the sum of |z|**2",
+    edits=(
+      Edit(
+        NOISE_SCALE,
+        "      jnp.abs(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))) ** 2\n",
+        "      jnp.real(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32)) ** 2)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_noise_scale.py::test_complex_params_count_the_modulus_squared",
+    ),
   ),
   Mutant(
     name="noise_scale_one_device_only",
@@ -495,6 +615,22 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="noise_scale_replicas_counted_twice",
+    guarantee="gradient noise scale (plain jit, several mesh axes)",
+    defect="under unreduced_axes a leaf held whole on the devices of"
+    " another mesh axis adds its square once per replica",
+    edits=(
+      Edit(
+        UNREDUCED,
+        "        square = square + noise_scale.square_norm(block) / copies\n",
+        "        square = square + noise_scale.square_norm(block)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_noise_scale.py::test_unreduced_on_two_mesh_axes_counts_each_device_partial_sum_once",
+    ),
+  ),
+  Mutant(
     name="partial_sums_drop_host_memory",
     guarantee="host memory (with the partial-sum helpers)",
     defect="unstack_partial_sums and split_total leave the accumulator in"
@@ -510,6 +646,96 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_intersections.py::test_partial_sums_keep_the_accumulator_in_host_memory",
+    ),
+  ),
+  Mutant(
+    name="stack_partial_sums_drops_host_memory",
+    guarantee="host memory (with the partial-sum helpers)",
+    defect="stack_partial_sums brings an accumulator kept in host memory"
+    " to the device to stack it, and saves it from there",
+    edits=(
+      Edit(
+        PARTIAL_SUMS,
+        "    )(residency.to_device(leaf))\n"
+        "    return residency.like_kinds(stacked, leaf)\n",
+        "    )(residency.to_device(leaf))\n    return stacked\n",
+      ),
+    ),
+    tests=(
+      "tests/test_intersections.py::test_the_saved_partial_sums_stay_in_host_memory[stack]",
+    ),
+  ),
+  Mutant(
+    name="consolidate_drops_host_memory",
+    guarantee="host memory (with the partial-sum helpers)",
+    defect="consolidate under plain jit sums an accumulator kept in host"
+    " memory on the device and leaves the total there",
+    edits=(
+      Edit(
+        PARTIAL_SUMS,
+        "        residency.like_kinds(\n"
+        "          jax.reshard(residency.to_device(leaf), axes_lib.plain_spec(leaf)),\n"
+        "          leaf,\n"
+        "        )\n",
+        "        jax.reshard(residency.to_device(leaf), axes_lib.plain_spec(leaf))\n",
+      ),
+    ),
+    tests=(
+      "tests/test_intersections.py::test_the_saved_partial_sums_stay_in_host_memory[consolidate]",
+    ),
+  ),
+  Mutant(
+    name="consolidate_drops_micro_gradient_count",
+    guarantee="gradient noise scale (a window resumed from consolidate)",
+    defect="consolidate and split_total sum and split the weights and the"
+    " squares of the noise sums but leave K, the micro-gradients counted"
+    " per device, as each device holds it",
+    edits=(
+      Edit(
+        PARTIAL_SUMS,
+        "  return (state.weight_sum, noise.square_sum, noise.micro_gradients)\n",
+        "  return (state.weight_sum, noise.square_sum)\n",
+      ),
+      Edit(
+        PARTIAL_SUMS,
+        "  noise = state.noise_scale._replace(\n"
+        "    square_sum=sums[1], micro_gradients=sums[2]\n"
+        "  )\n",
+        "  noise = state.noise_scale._replace(square_sum=sums[1])\n",
+      ),
+    ),
+    tests=(
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-device-accumulate_and_apply-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-accumulator_host-accumulate-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-both_host-accumulate_and_apply-consolidate]",
+    ),
+  ),
+  Mutant(
+    name="partial_sum_helpers_ignore_noise_sums",
+    guarantee="gradient noise scale (a window resumed from a checkpoint)",
+    defect="consolidate and split_total combine the accumulator and the"
+    " weights, not the noise scale's sums of the open window",
+    edits=(
+      Edit(
+        PARTIAL_SUMS,
+        "  noise = state.noise_scale\n"
+        "  if noise is None:\n"
+        "    return (state.weight_sum,)\n"
+        "  return (state.weight_sum, noise.square_sum, noise.micro_gradients)\n",
+        "  return (state.weight_sum,)\n",
+      ),
+      Edit(
+        PARTIAL_SUMS,
+        "  state = state._replace(weight_sum=sums[0])\n"
+        "  if state.noise_scale is None:\n"
+        "    return state\n",
+        "  return state._replace(weight_sum=sums[0])\n",
+      ),
+    ),
+    tests=(
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-device-accumulate_and_apply-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-accumulator_host-accumulate-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-both_host-accumulate_and_apply-consolidate]",
     ),
   ),
   Mutant(
@@ -569,7 +795,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "    return self.window.add(\n      accumulator, grads, self.state,",
+        "    window, admitted = self.window, self.admitted\n",
         "    if self.window.parallel.unreduced_axes:\n"
         "      from ga_optax._src.parallel import axes as axes_lib\n"
         "\n"
@@ -577,7 +803,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "        axes_lib.reduce_unreduced(grads, None),\n"
         "        self.window.parallel.unreduced_axes,\n"
         "      )\n"
-        "    return self.window.add(\n      accumulator, grads, self.state,",
+        "    window, admitted = self.window, self.admitted\n",
       ),
     ),
     tests=(

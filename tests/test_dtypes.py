@@ -487,3 +487,62 @@ def test_microbatched_gradients_of_low_precision_params_are_summed_in_float32(
   value_and_grad = ga_optax.microbatched_value_and_grad(loss, SUM_WINDOW)
   _, grads = jax.jit(value_and_grad)(params, {"g": rows})
   chex.assert_trees_all_equal(grads, {"w": _sum_window_mean(dtype)})
+
+
+# A bfloat16 accumulator under float32 params and gradients: the window is
+# summed in bfloat16, and the updates are still the float32 optimizer's. The
+# gradients are multiples of 1/8 of at most 15/8 and the weights those of
+# WEIGHTS (windows of 4 and 8): every weighted term and partial sum is a
+# multiple of 1/8 of at most 8 * 15/8, 120 eighths, exact in bfloat16's 8
+# significant bits (256), and dividing by a power of two is exact. The mean
+# is thus exact in bfloat16, and the only rounding left is the optimizer's
+# float32 one: a learning rate of 0.1, which bfloat16 cannot hold, makes
+# updates that a bfloat16 buffer would round.
+NARROW_LEARNING_RATE = 0.1
+EIGHTHS = 15
+
+
+def _eighths(seed: int) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(seed)
+  return {
+    name: jnp.asarray(rng.integers(-EIGHTHS, EIGHTHS + 1, shape) / 8, F32)
+    for name, shape in sorted(SHAPES.items())
+  }
+
+
+@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
+def test_a_bfloat16_accumulator_gives_float32_exact_updates(use_jit):
+  params = {name: jnp.zeros(shape, F32) for name, shape in SHAPES.items()}
+  tx = ga_optax.accumulate(
+    optax.sgd(NARROW_LEARNING_RATE), EVERY_K, accumulator_dtype=BF16
+  )
+  update = jax.jit(tx.update) if use_jit else tx.update
+  state = tx.init(params)
+  assert {leaf.dtype for leaf in jax.tree.leaves(state.accumulator)} == {
+    jnp.dtype(BF16)
+  }
+  grads_seq = [_eighths(seed) for seed in range(EVERY_K * NUM_WINDOWS)]
+  for window in range(NUM_WINDOWS):
+    calls = range(window * EVERY_K, (window + 1) * EVERY_K)
+    for call in calls:
+      updates, state = update(
+        grads_seq[call], state, params, weight=WEIGHTS[call]
+      )
+      chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)
+    # The window's weighted mean in float64, then the float32 step of SGD.
+    weight_sum = sum(WEIGHTS[call] for call in calls)
+    expected = {
+      name: np.float32(-NARROW_LEARNING_RATE)
+      * (
+        sum(WEIGHTS[call] * np.float64(grads_seq[call][name]) for call in calls)
+        / weight_sum
+      ).astype(np.float32)
+      for name in SHAPES
+    }
+    for name, want in expected.items():
+      # The check can fail: a bfloat16 buffer would round these updates.
+      assert not np.array_equal(want.astype(BF16).astype(np.float32), want)
+      got = np.asarray(updates[name])
+      assert np.all(np.isfinite(got))
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+  assert int(ga_optax.applied_updates(state)) == NUM_WINDOWS

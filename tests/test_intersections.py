@@ -26,6 +26,7 @@ from token_windows import (
   init_params,
   make_windows,
   token_mean_loss,
+  token_sum_loss,
   tokens,
   whole,
 )
@@ -44,8 +45,12 @@ def mesh() -> jax.sharding.Mesh:
   return jax.make_mesh((DEVICES,), ("data",))
 
 
-def unreduced_window(tx, windows, params):
-  """Runs ``windows`` through ``tx`` under plain jit; returns params, state."""
+def unreduced_window(tx, windows, params, *, close=True):
+  """Runs ``windows`` through ``tx`` under plain jit; returns params, state.
+
+  Each window's last micro-step flushes it, but with ``close=False`` the
+  last window's: it is left open, holding its partial sums.
+  """
   value_and_grad = ga_optax.unreduced_value_and_grad(
     token_mean_loss, weight_fn=tokens
   )
@@ -59,10 +64,11 @@ def unreduced_window(tx, windows, params):
     return optax.apply_updates(params, updates), state
 
   state = tx.init(params)
-  for window in windows:
+  for number, window in enumerate(windows):
+    last = len(window) - 1 if close or number < len(windows) - 1 else None
     for index, batch in enumerate(window):
       batch = jax.device_put(batch, P("data"))
-      flush = jnp.asarray(index == len(window) - 1)
+      flush = jnp.asarray(index == last)
       params, state = step(params, state, batch, flush)
   return params, state
 
@@ -98,7 +104,7 @@ def test_partial_sums_keep_the_accumulator_in_host_memory(helper):
       accumulator_memory_kind="pinned_host",
     )
     like = tx.init(params)
-    _, state = unreduced_window(tx, [windows[0][:1]], params)
+    _, state = unreduced_window(tx, [windows[0][:1]], params, close=False)
     if helper == "stack":
       resumed = ga_optax.unstack_partial_sums(
         ga_optax.stack_partial_sums(state), like
@@ -108,6 +114,40 @@ def test_partial_sums_keep_the_accumulator_in_host_memory(helper):
   for leaf in jax.tree.leaves(resumed.accumulator):
     assert residency.kind_of(leaf) == "pinned_host"
     assert leaf.sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.parametrize("helper", ["stack", "consolidate"])
+def test_the_saved_partial_sums_stay_in_host_memory(helper):
+  # The form a checkpoint saves, not only the state resumed from it: the
+  # inverse helpers put the accumulator back where init keeps it anyway.
+  windows = make_windows((2,), DEVICES, 2)
+  first = windows[0][0]
+  save = {
+    "stack": ga_optax.stack_partial_sums,
+    "consolidate": ga_optax.consolidate,
+  }[helper]
+  with jax.set_mesh(mesh()):
+    params = jax.device_put(init_params(), P())
+    tx = ga_optax.accumulate(
+      optax.sgd(0.3),
+      2,
+      unreduced_axes="data",
+      accumulator_memory_kind="pinned_host",
+    )
+    _, state = unreduced_window(tx, [[first]], params, close=False)
+    saved = {"jit": jax.jit(save)(state), "eager": save(state)}
+  # One micro-step of weight N holds N times its mean gradient: the
+  # gradient of the token sum over its rows, whatever device holds them.
+  expected = jax.grad(token_sum_loss)(init_params(), first)
+  for mode, tree in saved.items():
+    for leaf in jax.tree.leaves(tree.accumulator):
+      assert residency.kind_of(leaf) == "pinned_host", mode
+      assert leaf.sharding.memory_kind == "pinned_host", mode
+    total = jax.device_get(tree.accumulator)
+    if helper == "stack":
+      assert all(leaf.shape[0] == DEVICES for leaf in jax.tree.leaves(total))
+      total = jax.tree.map(lambda stacked: stacked.sum(0), total)
+    assert_finite_and_close(total, expected)
 
 
 def test_consolidate_inside_shard_map_keeps_host_memory():

@@ -458,6 +458,73 @@ def test_rng_differs_across_devices_of_the_axis():
   chex.assert_trees_all_equal(masks, expected)
 
 
+@pytest.mark.skipif(
+  jax.device_count() < 8, reason="needs 8 (simulated) devices"
+)
+@pytest.mark.parametrize(
+  ("path", "num_microbatches"), [("microbatched", 2), ("unreduced", 1)]
+)
+def test_rng_differs_across_devices_under_plain_jit(path, num_microbatches):
+  devices, rows, features = 8, 2, 8  # rows per micro-batch and device
+  k = num_microbatches
+
+  def dropout_loss(params, batch, *, rng):
+    keep = jax.random.bernoulli(rng, 0.5, batch["x"].shape)
+    return jnp.mean(jnp.where(keep, batch["x"] * params["w"], 0.0)), keep
+
+  if path == "microbatched":
+    value_and_grad = ga_optax.microbatched_value_and_grad(
+      dropout_loss, k, has_aux=True
+    )
+  else:
+    value_and_grad = ga_optax.unreduced_value_and_grad(
+      dropout_loss, has_aux=True
+    )
+
+  @jax.jit
+  def step(params, batch, key):
+    (value, masks), grads = value_and_grad(params, batch, rng=key)
+    return value, masks, jax.tree.map(lambda g: jax.reshard(g, P()), grads)
+
+  x = np.random.default_rng(4).normal(size=(devices * k * rows, features))
+  batch = {"x": x.astype(np.float32)}
+  params = {"w": jnp.linspace(0.5, 1.5, features)}
+  key = jax.random.PRNGKey(5)
+  with jax.set_mesh(jax.make_mesh((devices,), ("data",))):
+    value, masks, grads = step(params, jax.device_put(batch, P("data")), key)
+  # Device d holds rows d*k*rows onwards; its micro-batch i, every k-th of
+  # them from the i-th, with the key folded by d, then by i.
+  pieces = [
+    (
+      batch["x"][d * k * rows : (d + 1) * k * rows][i::k],
+      np.asarray(
+        jax.random.bernoulli(
+          jax.random.fold_in(jax.random.fold_in(key, d), i),
+          0.5,
+          (rows, features),
+        )
+      ),
+    )
+    for d in range(devices)
+    for i in range(k)
+  ]
+  expected_masks = np.stack([keep for _, keep in pieces])
+  assert len({keep.tobytes() for keep in expected_masks}) == devices * k
+  chex.assert_trees_all_equal(np.asarray(masks), expected_masks)
+  # Every micro-batch weighs the same: the mean of their losses and
+  # gradients, d/dw mean(keep * x * w) = sum(keep * x, rows) / (rows * F).
+  expected_value = np.mean(
+    [np.mean(np.where(keep, x * params["w"], 0.0)) for x, keep in pieces]
+  )
+  expected_grad = np.mean(
+    [np.where(keep, x, 0.0).sum(0) / (rows * features) for x, keep in pieces],
+    axis=0,
+  )
+  _assert_finite_and_close(
+    (value, grads), (expected_value, {"w": expected_grad})
+  )
+
+
 # A recurrent loss whose scan carry starts from a constant, under plain jit
 # on 8 devices: ga_optax runs it wherever jax.value_and_grad does.
 

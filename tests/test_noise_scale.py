@@ -4,10 +4,11 @@ Two kinds of evidence. Exactness: for fixed micro-gradients and weights the
 smoothed estimates equal a NumPy implementation of the contract (the weighted
 per-window formulas, the exponential moving average, the debiasing, windows
 of fewer than 2 micro-gradients left out, skipped micro-steps left out), on
-one device, inside ``shard_map`` with ``check_vma`` both ways, and under plain
-``jit`` with ``unreduced_axes``. Truth: for linear least squares with
-Gaussian inputs at frozen parameters the noise scale is known in closed form,
-and the estimate must land on it.
+one device (complex leaves too), inside ``shard_map`` with ``check_vma`` both
+ways, and under plain ``jit`` with ``unreduced_axes`` on one mesh axis and on
+two. Truth: for linear least squares with Gaussian inputs at frozen
+parameters the noise scale is known in closed form, and the estimate must
+land on it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from mesh_layouts import put, run_steps, unreduced_step
+from token_windows import (
+  SGD,
+  assert_finite_and_close,
+  init_params,
+  large_batch_reference,
+  make_windows,
+  micro_steps,
+  token_mean_loss,
+)
 
 import ga_optax
 from ga_optax._src.parallel import axes as axes_lib
@@ -37,14 +49,19 @@ def numpy_noise_scale(windows, decay):
     count = len(kept)
     weight = sum(w for _, w in kept)
     mean = sum(w * g for g, w in kept) / weight
-    squares = sum(w * float(g @ g) for g, w in kept)
-    window_trace = (squares - weight * float(mean @ mean)) / (count - 1)
-    window_grad_sq = float(mean @ mean) - window_trace / weight
+    squares = sum(w * square_norm(g) for g, w in kept)
+    window_trace = (squares - weight * square_norm(mean)) / (count - 1)
+    window_grad_sq = square_norm(mean) - window_trace / weight
     grad_sq = decay * grad_sq + (1 - decay) * window_grad_sq
     trace_sigma = decay * trace_sigma + (1 - decay) * window_trace
     debias = decay * debias + (1 - decay)
     measured += 1
   return grad_sq / debias, trace_sigma / debias, measured
+
+
+def square_norm(vector: np.ndarray) -> float:
+  """``|v|^2``: the sum of ``|v_i|^2``, real for complex entries too."""
+  return float(np.vdot(vector, vector).real)
 
 
 def flat(tree) -> np.ndarray:
@@ -119,6 +136,45 @@ def test_one_device_matches_numpy(jit, path):
   grad_sq, trace, measured = numpy_noise_scale(windows, DECAY)
   assert measured == 3
   assert int(ga_optax.num_skipped(state)) == 1
+  assert_estimate(state, grad_sq, trace, measured)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_complex_params_count_the_modulus_squared(jit):
+  # A complex leaf beside a real one: |g|^2 is the sum of |z|^2 = z conj(z),
+  # not of z^2, whose real part Re(z)^2 - Im(z)^2 can be anything.
+  rng = np.random.default_rng(3)
+  grads = [
+    {
+      "z": (rng.normal(size=(3, 2)) + 1j * rng.normal(size=(3, 2))).astype(
+        np.complex64
+      ),
+      "b": rng.normal(size=2).astype(np.float32),
+    }
+    for _ in range(sum(LENGTHS))
+  ]
+  weights = [3.0, 1.0, 5.0, 2.0, 4.0, 0.0, 6.0, 2.0, 7.0, 1.0]
+  params = jax.tree.map(np.zeros_like, grads[0])
+  tx = ga_optax.accumulate(optax.sgd(0.1), 100, noise_scale_decay=DECAY)
+
+  def step(grad, state, weight, flush):
+    return tx.update(grad, state, params, weight=weight, flush=flush)[1]
+
+  step = jax.jit(step) if jit else step
+  state = tx.init(params)
+  assert state.accumulator["z"].dtype == np.complex64
+  windows, index = [], 0
+  for length in LENGTHS:
+    window = []
+    for position in range(length):
+      state = step(grads[index], state, weights[index], position == length - 1)
+      window.append((flat(grads[index]), weights[index]))
+      index += 1
+    windows.append(window)
+  grad_sq, trace, measured = numpy_noise_scale(windows, DECAY)
+  # The window of one micro-gradient is not measured.
+  assert measured == len(LENGTHS) - 1
+  assert np.isfinite([grad_sq, trace]).all()
   assert_estimate(state, grad_sq, trace, measured)
 
 
@@ -270,6 +326,87 @@ def test_unreduced_partial_sums_are_micro_gradients_of_equal_weight():
     for w in range(windows_count)
   ]
   grad_sq, trace, measured = numpy_noise_scale(expected_windows, DECAY)
+  assert_estimate(state, grad_sq, trace, measured)
+
+
+# A 4 x 2 mesh, the batch over "data", two leaves sharded over "model" and
+# two replicated on it: a data device's partial sum of a replicated leaf is
+# held whole by both of its model devices, and is one micro-gradient.
+TWO_AXES = {"data": 4, "model": 2}
+TWO_AXES_SPECS = {
+  "w": P(None, "model"),
+  "b": P(),
+  "scale": P("model"),
+  "w2": P(),
+}
+TWO_AXES_K = 3
+TWO_AXES_LENGTHS = (3, 2, 3)  # the second window closed by a flush
+TWO_AXES_ROWS = 2  # per data device and micro-step
+
+
+_token_mean_grad = jax.jit(jax.grad(token_mean_loss))
+
+
+def partial_sum_micro_gradients(params, batch, devices):
+  """Plain jit: device d's partial sum n_d g_d / N, times D, of weight N / D.
+
+  ``g_d`` is the gradient of the token mean over the rows device d holds;
+  the rows split evenly over the D devices of the batch axes.
+  """
+  total = float(batch["mask"].sum())
+  rows = len(batch["mask"]) // devices
+  shares = [
+    {name: array[rows * d : rows * (d + 1)] for name, array in batch.items()}
+    for d in range(devices)
+  ]
+  return [
+    (
+      devices
+      * float(share["mask"].sum())
+      / total
+      * flat(_token_mean_grad(params, share)),
+      total / devices,
+    )
+    for share in shares
+  ]
+
+
+@needs_8_devices
+def test_unreduced_on_two_mesh_axes_counts_each_device_partial_sum_once():
+  data_devices = TWO_AXES["data"]
+  windows = make_windows(TWO_AXES_LENGTHS, data_devices, TWO_AXES_ROWS, seed=3)
+  tx = ga_optax.accumulate(
+    SGD, TWO_AXES_K, unreduced_axes="data", noise_scale_decay=DECAY
+  )
+  mesh = jax.make_mesh(
+    tuple(TWO_AXES.values()),
+    tuple(TWO_AXES),
+    axis_types=(AxisType.Explicit,) * len(TWO_AXES),
+  )
+  with jax.set_mesh(mesh):
+    params = put(init_params(), mesh, TWO_AXES_SPECS)
+    params, state = run_steps(
+      unreduced_step(tx, fused=False),
+      params,
+      jax.jit(tx.init)(params),
+      micro_steps(windows, TWO_AXES_K),
+    )
+  assert_finite_and_close(
+    params, large_batch_reference(SGD, init_params(), windows)
+  )
+  # Each window's micro-gradients at the params the large batch has there.
+  expected_windows, reference = [], init_params()
+  for window in windows:
+    expected_windows.append(
+      [
+        pair
+        for batch in window
+        for pair in partial_sum_micro_gradients(reference, batch, data_devices)
+      ]
+    )
+    reference = large_batch_reference(SGD, reference, [window])
+  grad_sq, trace, measured = numpy_noise_scale(expected_windows, DECAY)
+  assert measured == len(windows)
   assert_estimate(state, grad_sq, trace, measured)
 
 

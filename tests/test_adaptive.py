@@ -6,9 +6,11 @@ that moves k when a full window closes. For fixed micro-gradients and
 weights the k of every window and every emitted update (SGD with learning
 rate 1: minus the window's weighted mean, times the learning-rate scale)
 must equal it, on one device and on 8 (inside ``shard_map``, each device's
-gradient a micro-gradient of its own weight, every device deciding the same
-k). A run saved with orbax mid-window, or just after k changed, resumes
-bit-identically; bad configurations are refused by name.
+gradient a micro-gradient of its own weight; under plain ``jit`` with
+``unreduced_axes``, alone and with ZeRO-1, through ``update`` and
+``apply``, with the state in device or host memory; every device deciding
+the same k). A run saved with orbax mid-window, or just after k changed,
+resumes bit-identically; bad configurations are refused by name.
 """
 
 from __future__ import annotations
@@ -262,10 +264,13 @@ def test_every_device_decides_the_same_k_inside_shard_map():
     np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host_memory"])
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply"])
 @pytest.mark.parametrize("zero", [False, True], ids=["unreduced", "zero1"])
-def test_every_device_decides_the_same_k_under_plain_jit(zero):
+def test_every_device_decides_the_same_k_under_plain_jit(zero, fused, host):
   """unreduced_axes (and ZeRO-1): each device's partial sum, times D, is a
-  micro-gradient of the batch's D-th part; k is one replicated value."""
+  micro-gradient of the batch's D-th part; k is one replicated value. The
+  loop meets the other modes here: both paths, the state in host memory."""
   mesh = jax.make_mesh(
     (DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
   )
@@ -284,18 +289,26 @@ def test_every_device_decides_the_same_k_under_plain_jit(zero):
   value_and_grad = ga_optax.unreduced_value_and_grad(
     loss, weight_fn=lambda batch: jnp.float32(batch["g"].shape[0])
   )
-  tx = ga_optax.accumulate(
+  make = ga_optax.accumulate_and_apply if fused else ga_optax.accumulate
+  kind = "pinned_host" if host else None
+  tx = make(
     optax.sgd(1.0),
     ga_optax.adaptive_k(2, max_k=8, min_k=1),
     noise_scale_decay=DECAY,
     unreduced_axes="data",
     inner_state_axes="data" if zero else None,
+    accumulator_memory_kind=kind,
+    inner_state_memory_kind=kind,
   )
 
   @jax.jit
   def step(params, state, batch):
     _, grads = value_and_grad(params, batch)
-    return tx.update(grads, state, params, weight=batch["g"].shape[0])
+    weight = batch["g"].shape[0]
+    if fused:
+      new_params, state = tx.apply(params, grads, state, weight=weight)
+      return jax.tree.map(jnp.subtract, new_params, params), state
+    return tx.update(grads, state, params, weight=weight)
 
   ks, updates = [], []
   with jax.set_mesh(mesh):

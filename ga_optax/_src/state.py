@@ -35,8 +35,9 @@ class AccumulateState(NamedTuple):
     every_k: int32, the k of the open window, decided when the previous
       window closed (read it with :func:`ga_optax.current_k`). With
       :func:`ga_optax.adaptive_k` the windows so far decided it; with a
-      schedule the schedule does, so a state resumed under another
-      ``every_k`` follows the new one from its next call.
+      schedule the schedule does: a state resumed under another ``every_k``
+      closes its windows by the new one from its next call, and holds the
+      new k from the next window on.
     num_skipped: int32, non-finite micro-steps dropped by
       ``skip_nonfinite=True`` over the whole run (read it with
       :func:`ga_optax.num_skipped`).

@@ -387,7 +387,10 @@ class ClosingSide:
         micro_step.state.inner_state
       ),
       "noise": opened["noise"],
-      "every_k": micro_step.decision.every_k,
+      # The state's own buffer, written only when the window closes: a
+      # schedule's k is a constant, and a constant output frees its donated
+      # buffer, which JAX may then pair with an output in another memory kind.
+      "every_k": micro_step.state.every_k,
       "stepped": jnp.zeros((), jnp.bool_),
     }
     if micro_step.carrier == "accumulator":
@@ -461,8 +464,9 @@ class ClosingSide:
     updates, new_inner_state = window.parallel.inner_update(
       window.inner, reduced, inner_state, params, micro_step.extra_args
     )
+    every_k = micro_step.decision.every_k
     updates = window.lr_scaling.apply(
-      updates, carry["every_k"], window.window_length.first()
+      updates, every_k, window.window_length.first()
     )
     # Gradients wider than the params (float32 for bfloat16, say) would
     # widen the optimizer's state; it keeps its dtypes from call to call.
@@ -473,7 +477,7 @@ class ClosingSide:
       carry["noise"], reduced, total_weight, window.parallel
     )
     next_k = window.window_length.next(
-      carry["every_k"],
+      every_k,
       update_step=increment_if(micro_step.state.update_step, jnp.asarray(True)),
       noise=getattr(noise, "smoothed", None),
       window_weight=total_weight,

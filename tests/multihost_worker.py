@@ -76,14 +76,13 @@ def plain_jit_step(tx: Any) -> Any:
   import ga_optax
 
   value_and_grad = ga_optax.unreduced_value_and_grad(
-    token_mean_loss, weight_fn=tokens
+    token_mean_loss, weight_fn=tokens, return_weight=True
   )
 
   def step(params, state, batch, flush):
-    _, grads = value_and_grad(params, batch)
-    updates, state = tx.update(
-      grads, state, params, weight=tokens(batch), flush=flush
-    )
+    # weight: the micro-batch's tokens on every process's devices.
+    _, grads, weight = value_and_grad(params, batch)
+    updates, state = tx.update(grads, state, params, weight=weight, flush=flush)
     return optax.apply_updates(params, updates), state
 
   return jax.jit(step)

@@ -29,6 +29,11 @@ def test_data_parallel_how_to_runs(capsys):
     "float32[16,32]{U:data}",  # the unreduced accumulator
     "1",  # one window closed
     "True",  # accumulated == large-batch parameters
+    "ShardingTypeError",  # jax.grad of an embedding on a sharded batch
+    "True",  # microbatched embedding gradients == one device's
+    "True",  # token-weighted accumulation == one device's SGD step
+    "[8]",  # its bytes all-reduced on every call: loss and weight
+    "[2048]",  # its bytes all-reduced when the window closes
     "float32[16,32@model]{U:data}",  # on the ("data", "model") mesh
     "True",  # Auto axes == large batch
     "True",  # shard_map, in one step == large batch

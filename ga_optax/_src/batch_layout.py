@@ -17,7 +17,6 @@ key) is passed whole to every micro-batch. The pieces:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -279,12 +278,6 @@ def batch_spec(leaf: Any, axis: int, axes: Axes) -> PartitionSpec:
   entries += [None] * (np.ndim(leaf) - len(entries))
   entries[axis] = axes
   return PartitionSpec(*entries)
-
-
-def device_count(axes: Axes) -> int:
-  """Devices along the mesh ``axes`` of the current mesh."""
-  shape = jax.sharding.get_abstract_mesh().shape
-  return math.prod(shape[axis] for axis in axes)
 
 
 def split_arrays(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:

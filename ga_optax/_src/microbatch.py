@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from ga_optax._src import batch_layout, eager, validation
 from ga_optax._src.microbatch_devices import (
+  Result,
   data_parallel_axes,
   local_or_manual,
   per_device_sums,
@@ -27,8 +28,10 @@ from ga_optax._src.microbatch_devices import (
 from ga_optax._src.microbatch_scan import (
   Inputs,
   Microbatching,
+  MicrobatchLoss,
   Trainable,
   WeightFn,
+  Weighting,
 )
 from ga_optax._src.parallel import axes as axes_lib
 from ga_optax._src.parallel import unreduced
@@ -70,14 +73,18 @@ def _check_options(
     )
   batch_layout.check_in_axes(in_axes)
   return Microbatching(
-    fun=fun,
+    loss=MicrobatchLoss(
+      fun=fun,
+      has_aux=has_aux,
+      remat=remat,
+      checkpoint_policy=checkpoint_policy,
+    ),
+    weighting=Weighting(
+      weight_fn=weight_fn,
+      accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
+      noise_scale=noise_scale,
+    ),
     num_microbatches=num_microbatches,
-    has_aux=has_aux,
-    weight_fn=weight_fn,
-    accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
-    remat=remat,
-    checkpoint_policy=checkpoint_policy,
-    noise_scale=noise_scale,
   )
 
 
@@ -93,6 +100,12 @@ def _inputs(
   layout = batch_layout.layout_of(batch, in_axes)
   split, whole = layout.parts(batch)
   return Inputs(Trainable.of(params), layout, split, whole, args, kwargs, rng)
+
+
+def _value_and_grad(result: Result, has_aux: bool) -> tuple[Any, Any]:
+  """``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``."""
+  value = (result.value, result.aux) if has_aux else result.value
+  return value, result.grads
 
 
 def microbatched_value_and_grad(
@@ -266,15 +279,13 @@ def microbatched_value_and_grad(
     inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
     mesh_axes, manual_axes = data_parallel_axes(inputs, axis_name)
     if mesh_axes:
-      value, grads, aux, estimate = per_device_sums(
+      result = per_device_sums(
         microbatching, mesh_axes, inputs, unreduced=False
       )
     else:
-      value, grads, aux, estimate = local_or_manual(
-        microbatching, manual_axes, inputs
-      )
-    output = ((value, aux), grads) if has_aux else (value, grads)
-    return (*output, estimate) if noise_scale else output
+      result = local_or_manual(microbatching, manual_axes, inputs)
+    output = _value_and_grad(result, has_aux)
+    return (*output, result.estimate) if noise_scale else output
 
   # The params' Python numbers are not differentiated: they stay static.
   return eager.compiled_when_eager(value_and_grad_fn, numbers_static_in=(0,))
@@ -288,6 +299,7 @@ def unreduced_value_and_grad(
   weight_fn: WeightFn | None = None,
   in_axes: Any = 0,
   accumulator_dtype: Any = jnp.float32,
+  return_weight: bool = False,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` with the gradients left unreduced over mesh axes.
 
@@ -323,29 +335,40 @@ def unreduced_value_and_grad(
       new leading axis, one entry per device, sharded over the axes.
     weight_fn: ``weight_fn(entries)`` returns the scalar weight of one
       device's entries (for example its number of real tokens); the
-      devices' gradients are combined in proportion (one more scalar
-      all-reduce). By default all devices weigh the same, which is exact
-      for a mean over rows (every device holds as many) but not for a
-      mean over each device's real tokens: with token weights, give the
-      count here and as ``weight=`` to ``update`` (a step that passes
-      ``update`` a weight while its gradients come from here without
-      ``weight_fn`` warns).
+      devices' gradients are combined in proportion, their weights summed
+      in the all-reduce that already sums the value. By default all
+      devices weigh the same, which is exact for a mean over rows (every
+      device holds as many) but not for a mean over each device's real
+      tokens. With token weights the count is needed twice, here and as
+      ``weight=`` to ``update``: pass ``return_weight=True`` and hand
+      ``update`` the weight ``g`` returns (a step that passes ``update`` a
+      weight while its gradients come from here without ``weight_fn``
+      warns).
     in_axes: an int axis or None per leaf of ``batch`` (a pytree prefix of
       it), as in :func:`microbatched_value_and_grad`; default 0.
     accumulator_dtype: floating dtype in which each device's weighted
       gradient is formed.
+    return_weight: ``g`` also returns the batch's weight, ``weight_fn``'s
+      counts summed over the devices, the same on every device: the
+      ``weight=`` this micro-step gives ``update``. It comes out of the
+      all-reduce that sums the value; counting the sharded batch again in
+      the step would all-reduce a second scalar on every micro-step. Needs
+      ``weight_fn``.
 
   Returns:
     ``g(params, batch, *args, rng=None, **kwargs) -> (value, grads)`` (or
-    ``((value, aux), grads)``), ``grads`` unreduced over the axes. ``rng``
-    reaches ``fun`` folded with the device's index.
+    ``((value, aux), grads)``), ``grads`` unreduced over the axes, and with
+    ``return_weight`` the weight as a third element (a scalar in the
+    precision of the sums, float32 unless ``accumulator_dtype`` is wider).
+    ``rng`` reaches ``fun`` folded with the device's index.
 
   Raises:
     TypeError: ``fun`` or ``weight_fn`` is not callable, ``unreduced_axes``
-      is not an axis name or a tuple of them, or a leaf of ``in_axes`` is
-      neither an int nor None.
-    ValueError: (from ``g``) the axes are not Explicit mesh axes, the batch
-      is sharded over other axes, or ``in_axes`` does not fit the batch.
+      is not an axis name or a tuple of them, a leaf of ``in_axes`` is
+      neither an int nor None, or ``return_weight`` is not a bool.
+    ValueError: ``return_weight=True`` without ``weight_fn``; (from ``g``)
+      the axes are not Explicit mesh axes, the batch is sharded over other
+      axes, or ``in_axes`` does not fit the batch.
 
   Example:
     >>> import jax, jax.numpy as jnp, ga_optax
@@ -359,6 +382,17 @@ def unreduced_value_and_grad(
     ...       jnp.ones(2), batch)
     >>> jax.typeof(grads)
     ShapedArray(float32[2]{U:data})
+
+    Weighted by a count, the step passes the returned weight on:
+
+    >>> def count(batch):
+    ...   return jnp.sum(batch["y"] == 0)
+    >>> g = ga_optax.unreduced_value_and_grad(
+    ...     loss_fn, weight_fn=count, return_weight=True)
+    >>> with jax.set_mesh(mesh):
+    ...   loss, grads, weight = jax.jit(g)(jnp.ones(2), batch)
+    >>> float(weight)
+    4.0
   """
   microbatching = _check_options(
     fun,
@@ -372,6 +406,7 @@ def unreduced_value_and_grad(
   )
   if unreduced_axes is not None:
     axes_lib.as_axes(unreduced_axes, "unreduced_axes")
+  _check_return_weight(return_weight, weight_fn)
 
   @functools.wraps(fun)
   def value_and_grad_fn(
@@ -379,11 +414,24 @@ def unreduced_value_and_grad(
   ) -> Any:
     inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
     axes = unreduced_batch_axes(inputs, unreduced_axes)
-    value, grads, aux, _ = per_device_sums(
-      microbatching, axes, inputs, unreduced=True
-    )
+    result = per_device_sums(microbatching, axes, inputs, unreduced=True)
     if weight_fn is None:
-      unreduced.mark_devices_weighed_alike(grads)
-    return ((value, aux), grads) if has_aux else (value, grads)
+      unreduced.mark_devices_weighed_alike(result.grads)
+    output = _value_and_grad(result, has_aux)
+    return (*output, result.weight) if return_weight else output
 
   return value_and_grad_fn
+
+
+def _check_return_weight(return_weight: Any, weight_fn: Any) -> None:
+  """Raises unless ``return_weight`` is a bool that has a weight to return."""
+  if not isinstance(return_weight, bool):
+    raise TypeError(f"return_weight must be a bool, got {return_weight!r}.")
+  if return_weight and weight_fn is None:
+    raise ValueError(
+      "return_weight=True returns the batch's weight, weight_fn's counts"
+      " summed over the devices, but weight_fn is None: pass weight_fn=..."
+      " (for example the count of real tokens), or leave return_weight"
+      " False; without weight_fn every micro-step weighs the same, and"
+      " update needs no weight=."
+    )

@@ -5,18 +5,56 @@ and the sums are reduced once after it: inside a ``jax.shard_map`` (or
 ``pmap``) the caller wrote, over the ``axis_name`` axes
 (:func:`local_or_manual`), or inside one written here over the mesh axes a
 batch is sharded over under a plain ``jax.jit`` (:func:`per_device_sums`).
+
+The mode is worked out here, not asked of the window's placement strategies
+(:mod:`ga_optax._src.parallel`), because the two answer other questions at
+other times. A strategy is chosen once, from the arguments of
+``accumulate``, and says how a window that outlives many calls keeps and
+reduces gradients it is handed. The in-step path makes its own gradients
+within one call, and its mode follows from that call's batch: the mesh axes
+in the batch's type, or ``axis_name``, which here names mesh axes under a
+plain ``jax.jit`` as well as manual axes (``accumulate`` refuses mesh axes
+there). Its reductions differ too. Each device's sums are partial and are
+always summed (in a caller's ``shard_map`` the parameters are cast to
+varying to keep them so), where the ``Collective`` strategy takes the
+gradients of a ``check_vma=True`` map as summed by autodiff already; and
+under a plain ``jax.jit`` the path sums them with a collective inside the
+map it writes, or hands them out ``unreduced`` for the window to sum, where
+the ``Unreduced`` strategy reshards an accumulator that is unreduced
+already. What the two share, the vocabulary of mesh axes and specs and the
+device count, lives in :mod:`ga_optax._src.parallel.axes`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import AxisType, PartitionSpec
 
 from ga_optax._src import batch_layout
+from ga_optax._src import noise_scale as noise_lib
 from ga_optax._src.microbatch_scan import Inputs, Microbatching, Sums
 from ga_optax._src.parallel import axes as axes_lib
+
+
+class Result(NamedTuple):
+  """One call's results, over every micro-batch on every device.
+
+  Attributes:
+    value: the weighted mean of the loss.
+    grads: the weighted mean gradient (partial sums unreduced over the batch
+      axes, when asked for).
+    aux: the auxiliary outputs, stacked per micro-batch (and device).
+    weight: the batch's total weight, the same on every device.
+    estimate: the noise scale's estimates, or None.
+  """
+
+  value: jax.Array
+  grads: Any
+  aux: Any
+  weight: jax.Array
+  estimate: noise_lib.NoiseScaleEstimate | None
 
 
 def per_device_sums(
@@ -25,7 +63,7 @@ def per_device_sums(
   inputs: Inputs,
   *,
   unreduced: bool,
-) -> tuple[jax.Array, Any, Any, Any]:
+) -> Result:
   """Micro-batching of a batch sharded over mesh ``axes``, under plain jit.
 
   Each device scans its own entries; the map over the devices does not
@@ -37,11 +75,10 @@ def per_device_sums(
   window.
 
   Returns:
-    ``(value, grads, aux, estimate)``; aux leaves are stacked per
-    sub-batch, device major: entry ``d * k + i`` is micro-batch ``i`` on
-    device ``d``; ``estimate`` is the noise scale's (or None).
+    The :class:`Result`; aux leaves are stacked per sub-batch, device
+    major: entry ``d * k + i`` is micro-batch ``i`` on device ``d``.
   """
-  devices = batch_layout.device_count(axes)
+  devices = axes_lib.device_count(axes)
   batch_layout.check_divisible(
     inputs.layout, microbatching.num_microbatches, devices
   )
@@ -58,18 +95,21 @@ def per_device_sums(
         rng=jax.random.fold_in(local.rng, jax.lax.axis_index(axes))
       )
     sums, aux = microbatching.sums(local)
+    weighting = microbatching.weighting
     if not unreduced:
       sums = jax.lax.psum(sums, axes)
-      value, grads = microbatching.mean(sums, local.trainable.diff)
-      return value, grads, aux, microbatching.estimate(sums)
+      value, grads = weighting.mean(sums, local.trainable.diff)
+      return Result(value, grads, aux, sums.weight, weighting.estimate(sums))
+    # The value's and the weight's sums share one scalar all-reduce.
     value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
-    value, grads = microbatching.mean(
+    value, grads = weighting.mean(
       Sums(sums.grads, value_sum, weight_sum), local.trainable.diff
     )
     # One partial sum per device, stacked along a new leading axis: a
     # shard_map may not return unreduced values while other axes stay
     # outside it, so they are summed into unreduced ones below.
-    return value, jax.tree.map(lambda grad: grad[None], grads), aux, None
+    stacked = jax.tree.map(lambda grad: grad[None], grads)
+    return Result(value, stacked, aux, weight_sum, None)
 
   # Gradients keep each parameter's spec over other mesh axes; stacked
   # partial sums get a leading axis over the batch axes.
@@ -80,26 +120,33 @@ def per_device_sums(
     ),
     diff,
   )
-  value, grads, aux, estimate = batch_layout.map_over_batch_axes(
+  result = batch_layout.map_over_batch_axes(
     per_device,
     axes,
     arrays,
     inputs.split,
     inputs.layout.split_axes,
-    out_specs=(
-      PartitionSpec(),
-      grad_specs,
-      PartitionSpec(axes),
-      PartitionSpec(),
+    # value, grads, aux (per device), weight, estimate.
+    out_specs=Result._make(
+      (
+        PartitionSpec(),
+        grad_specs,
+        PartitionSpec(axes),
+        PartitionSpec(),
+        PartitionSpec(),
+      )
     ),
   )
   if unreduced:
-    grads = axes_lib.sum_to_unreduced(grads, diff, axes)
+    grads = axes_lib.sum_to_unreduced(result.grads, diff, axes)
   elif _explicit(axes):
     # A parameter sharded over a batch axis (FSDP) was gathered for the
     # scan; its gradient goes back to the parameter's own sharding.
-    grads = axes_lib.reshard_tree(grads, jax.tree.map(axes_lib.spec_of, diff))
-  return value, grads, aux, estimate
+    specs = jax.tree.map(axes_lib.spec_of, diff)
+    grads = axes_lib.reshard_tree(result.grads, specs)
+  else:
+    grads = result.grads
+  return result._replace(grads=grads)
 
 
 def _explicit(axes: axes_lib.Axes) -> bool:
@@ -159,7 +206,7 @@ def data_parallel_axes(
 
 def local_or_manual(
   microbatching: Microbatching, manual_axes: axes_lib.Axes, inputs: Inputs
-) -> tuple[jax.Array, Any, Any, Any]:
+) -> Result:
   """One device's batch, or the caller's ``shard_map`` over ``manual_axes``."""
   batch_layout.check_divisible(
     inputs.layout,
@@ -187,8 +234,9 @@ def local_or_manual(
   sums, aux = microbatching.sums(inputs, varying_axes=varying_axes)
   if manual_axes:
     sums = jax.lax.psum(sums, manual_axes)
-  value, grads = microbatching.mean(sums, trainable.diff)
-  return value, grads, aux, microbatching.estimate(sums)
+  weighting = microbatching.weighting
+  value, grads = weighting.mean(sums, trainable.diff)
+  return Result(value, grads, aux, sums.weight, weighting.estimate(sums))
 
 
 def unreduced_batch_axes(inputs: Inputs, unreduced_axes: Any) -> axes_lib.Axes:

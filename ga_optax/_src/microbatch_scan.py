@@ -1,10 +1,10 @@
 """One device's micro-batches: a ``lax.scan`` that sums their weighted gradients.
 
-The scan body (:meth:`Microbatching.add_microbatch`) evaluates the loss and
-its gradient on one micro-batch and adds them, weighted, into the carried
-:class:`Sums`; after the scan the sums become means once
-(:meth:`Microbatching.mean`). Only one micro-batch's activations are alive at
-a time.
+Three ideas, one class each: what a micro-batch computes (its loss and
+gradient, :class:`MicrobatchLoss`), how the micro-batches are weighed into
+the carried :class:`Sums` and averaged once after the scan
+(:class:`Weighting`), and the scan that joins them (:class:`Microbatching`).
+Only one micro-batch's activations are alive at a time.
 
 Gradients are taken of the floating (and complex) array leaves of the
 parameters; every other leaf (an Equinox model's activation functions, an
@@ -125,27 +125,57 @@ class Sums(NamedTuple):
   micro_batches: Any = None
 
 
-class Microbatching(NamedTuple):
-  """How to split a batch and sum its micro-batches' values and gradients.
+class MicrobatchLoss(NamedTuple):
+  """The loss of one micro-batch, and its gradient in the trained leaves.
 
   Attributes:
     fun: the loss, ``fun(params, microbatch, *args, **kwargs)``.
-    num_microbatches: micro-batches per batch.
     has_aux: the loss returns ``(value, aux)``.
-    weight_fn: ``microbatch -> scalar weight``, or None for weight 1.
-    accumulator_dtype: the floating dtype of the gradient sums.
-    remat: each micro-batch's loss runs under ``jax.checkpoint``.
+    remat: the loss runs under ``jax.checkpoint``.
     checkpoint_policy: the ``jax.checkpoint`` policy with ``remat``.
-    noise_scale: also sum what the gradient noise scale needs.
   """
 
   fun: Callable[..., Any]
-  num_microbatches: int
   has_aux: bool
-  weight_fn: WeightFn | None
-  accumulator_dtype: jnp.dtype
   remat: bool
   checkpoint_policy: Callable[..., bool] | None
+
+  def value_and_grad(
+    self,
+    trainable: Trainable,
+    microbatch: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+  ) -> tuple[Any, Any, Any]:
+    """``(value, aux, grads)`` of ``fun`` on one micro-batch.
+
+    ``aux`` is None without ``has_aux``; ``grads`` is a tree like
+    ``trainable.diff``.
+    """
+
+    def loss(diff: Any) -> Any:
+      return self.fun(trainable.params(diff), microbatch, *args, **kwargs)
+
+    if self.remat:
+      loss = jax.checkpoint(loss, policy=self.checkpoint_policy)
+    output, grads = jax.value_and_grad(loss, has_aux=self.has_aux)(
+      trainable.diff
+    )
+    value, aux = output if self.has_aux else (output, None)
+    return value, aux, grads
+
+
+class Weighting(NamedTuple):
+  """How micro-batches are weighed, summed into :class:`Sums` and averaged.
+
+  Attributes:
+    weight_fn: ``microbatch -> scalar weight``, or None for weight 1.
+    accumulator_dtype: the floating dtype of the gradient sums.
+    noise_scale: also sum what the gradient noise scale needs.
+  """
+
+  weight_fn: WeightFn | None
+  accumulator_dtype: jnp.dtype
   noise_scale: bool = False
 
   def zeros(self, diff: Any) -> Sums:
@@ -196,38 +226,12 @@ class Microbatching(NamedTuple):
     weight = jnp.asarray(weight, weight_dtype)
     return jnp.where(weight < 0, jnp.nan, weight)
 
-  def value_and_grad(
-    self,
-    trainable: Trainable,
-    microbatch: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-  ) -> tuple[Any, Any]:
-    """``fun``'s output on one micro-batch, and its gradient in ``diff``."""
-
-    def loss(diff: Any) -> Any:
-      return self.fun(trainable.params(diff), microbatch, *args, **kwargs)
-
-    if self.remat:
-      loss = jax.checkpoint(loss, policy=self.checkpoint_policy)
-    return jax.value_and_grad(loss, has_aux=self.has_aux)(trainable.diff)
-
-  def add_microbatch(
-    self,
-    sums: Sums,
-    trainable: Trainable,
-    microbatch: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-  ) -> tuple[Sums, Any]:
-    """Adds one micro-batch's weighted value and gradient to ``sums``."""
-    output, grads = self.value_and_grad(trainable, microbatch, args, kwargs)
-    value, aux = output if self.has_aux else (output, None)
-    weight = self.weight_of(microbatch)
+  def add(self, sums: Sums, value: Any, grads: Any, weight: jax.Array) -> Sums:
+    """``sums`` with one micro-batch's value and gradient added, weighted."""
     # A weight-0 micro-batch may hold a 0 / 0 loss: select, not multiply.
     has_weight = weight > 0
 
-    def add(total: jax.Array, term: jax.Array) -> jax.Array:
+    def add_term(total: jax.Array, term: jax.Array) -> jax.Array:
       term = term.astype(total.dtype)
       if self.weight_fn is None:
         return total + term
@@ -235,8 +239,8 @@ class Microbatching(NamedTuple):
       return total + jnp.where(has_weight, weighted, jnp.zeros((), total.dtype))
 
     new_sums = Sums(
-      grads=jax.tree.map(add, sums.grads, grads),
-      value=add(sums.value, value),
+      grads=jax.tree.map(add_term, sums.grads, grads),
+      value=add_term(sums.value, value),
       weight=sums.weight + weight,
     )
     if self.noise_scale:
@@ -245,35 +249,7 @@ class Microbatching(NamedTuple):
         square=sums.square + jnp.where(has_weight, square, 0.0),
         micro_batches=sums.micro_batches + has_weight.astype(jnp.int32),
       )
-    return new_sums, aux
-
-  def sums(
-    self, inputs: Inputs, varying_axes: axes_lib.Axes = ()
-  ) -> tuple[Sums, Any]:
-    """The weighted sums over the micro-batches of ``inputs``' batch.
-
-    ``varying_axes``: inside a ``jax.shard_map`` that checks varying axes,
-    the manual axes the gradients vary over; the carry is cast to vary over
-    them too, so that the scan keeps its type.
-    """
-    layout, trainable = inputs.layout, inputs.trainable
-    microbatches = batch_layout.split_microbatches(
-      inputs.split, layout.split_axes, self.num_microbatches
-    )
-    initial = axes_lib.cast_to_varying(self.zeros(trainable.diff), varying_axes)
-
-    def scan_body(sums: Sums, xs: tuple[jax.Array, Any]) -> tuple[Sums, Any]:
-      index, split = xs
-      microbatch = layout.rebuild(split, inputs.whole)
-      kwargs = dict(inputs.kwargs)
-      if inputs.rng is not None:
-        kwargs["rng"] = jax.random.fold_in(inputs.rng, index)
-      return self.add_microbatch(
-        sums, trainable, microbatch, inputs.args, kwargs
-      )
-
-    indices = jnp.arange(self.num_microbatches, dtype=jnp.int32)
-    return jax.lax.scan(scan_body, initial, (indices, microbatches))
+    return new_sums
 
   def mean(self, sums: Sums, diff: Any) -> tuple[jax.Array, Any]:
     """``(value, grads)``: the sums over their weight, grads in diff's dtypes.
@@ -305,3 +281,49 @@ class Microbatching(NamedTuple):
       sums.weight.astype(jnp.float32),
       mean_square,
     )
+
+
+class Microbatching(NamedTuple):
+  """A batch split into micro-batches, each's loss weighed into the sums.
+
+  Attributes:
+    loss: what each micro-batch computes.
+    weighting: how the micro-batches' results are weighed and summed.
+    num_microbatches: micro-batches per batch.
+  """
+
+  loss: MicrobatchLoss
+  weighting: Weighting
+  num_microbatches: int
+
+  def sums(
+    self, inputs: Inputs, varying_axes: axes_lib.Axes = ()
+  ) -> tuple[Sums, Any]:
+    """The weighted sums over the micro-batches of ``inputs``' batch.
+
+    ``varying_axes``: inside a ``jax.shard_map`` that checks varying axes,
+    the manual axes the gradients vary over; the carry is cast to vary over
+    them too, so that the scan keeps its type.
+    """
+    layout, trainable = inputs.layout, inputs.trainable
+    microbatches = batch_layout.split_microbatches(
+      inputs.split, layout.split_axes, self.num_microbatches
+    )
+    initial = axes_lib.cast_to_varying(
+      self.weighting.zeros(trainable.diff), varying_axes
+    )
+
+    def scan_body(sums: Sums, xs: tuple[jax.Array, Any]) -> tuple[Sums, Any]:
+      index, split = xs
+      microbatch = layout.rebuild(split, inputs.whole)
+      kwargs = dict(inputs.kwargs)
+      if inputs.rng is not None:
+        kwargs["rng"] = jax.random.fold_in(inputs.rng, index)
+      value, aux, grads = self.loss.value_and_grad(
+        trainable, microbatch, inputs.args, kwargs
+      )
+      weight = self.weighting.weight_of(microbatch)
+      return self.weighting.add(sums, value, grads, weight), aux
+
+    indices = jnp.arange(self.num_microbatches, dtype=jnp.int32)
+    return jax.lax.scan(scan_body, initial, (indices, microbatches))

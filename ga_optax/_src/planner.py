@@ -10,7 +10,7 @@ global batch wanted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -142,58 +142,102 @@ def micro_step_bytes(
       " leave inner_state_memory_kind at None."
     )
   abstract_params = _abstract(params)
-  batch = _batch_of_size(example_batch, micro_batch_size)
-  grad_fn = jax.grad(loss_fn, has_aux=has_aux)
-
-  def gradient(params, batch):
-    grads = grad_fn(params, batch)
-    return grads[0] if has_aux else grads
-
+  gradient = _gradient_fn(loss_fn, has_aux)
   if optimizer is None:
-
-    def step(params, accumulator, batch):
-      grads = gradient(params, batch)
-      accumulator = residency.to_device(accumulator)
-      accumulator = jax.tree.map(
-        lambda total, g: total + g.astype(total.dtype), accumulator, grads
-      )
-      return residency.put(accumulator, accumulator_kind)
-
-    state = residency.abstract_in(
-      jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jax.numpy.float32),
-        abstract_params,
-      ),
-      accumulator_kind,
-    )
-    donate: tuple[int, ...] = (1,)
+    step = _adding_step(gradient, abstract_params, accumulator_kind)
   else:
-    # k does not change what a micro-step holds; 2 keeps both branches.
-    tx = transform.accumulate(
+    step = _accumulating_step(
+      gradient,
+      abstract_params,
       optimizer,
-      2,
-      accumulator_memory_kind=accumulator_kind,
-      inner_state_memory_kind=inner_state_memory_kind,
+      accumulator_kind,
+      inner_state_memory_kind,
     )
-
-    def step(params, state, batch):
-      updates, state = tx.update(gradient(params, batch), state, params)
-      return optax.apply_updates(params, updates), state
-
-    state = jax.eval_shape(tx.init, abstract_params)
-    state = state._replace(
-      accumulator=residency.abstract_in(state.accumulator, accumulator_kind),
-      inner_state=residency.abstract_in(
-        state.inner_state, inner_state_memory_kind
-      ),
-    )
-    donate = (0, 1)
+  batch = _batch_of_size(example_batch, micro_batch_size)
   compiled = (
-    jax.jit(step, donate_argnums=donate)
-    .lower(abstract_params, state, batch)
+    jax.jit(step.fn, donate_argnums=step.donate_argnums)
+    .lower(abstract_params, step.state, batch)
     .compile()
   )
   return device_memory.device_bytes(compiled)
+
+
+class _MicroStep(NamedTuple):
+  """A micro-step to compile: ``fn(params, state, batch)`` and its state.
+
+  Attributes:
+    fn: the step.
+    state: its abstract state (what it carries from call to call).
+    donate_argnums: the arguments a training loop donates.
+  """
+
+  fn: Callable[..., Any]
+  state: Any
+  donate_argnums: tuple[int, ...]
+
+
+def _gradient_fn(loss_fn: LossFn, has_aux: bool) -> Callable[..., Any]:
+  """``loss_fn``'s gradient in the params, its aux left out."""
+  grad_fn = jax.grad(loss_fn, has_aux=has_aux)
+
+  def gradient(params: Any, batch: Any) -> Any:
+    grads = grad_fn(params, batch)
+    return grads[0] if has_aux else grads
+
+  return gradient
+
+
+def _adding_step(
+  gradient: Callable[..., Any],
+  abstract_params: Any,
+  accumulator_kind: str | None,
+) -> _MicroStep:
+  """Gradient accumulation alone: an add into a float32 accumulator."""
+
+  def step(params: Any, accumulator: Any, batch: Any) -> Any:
+    grads = gradient(params, batch)
+    accumulator = residency.to_device(accumulator)
+    accumulator = jax.tree.map(
+      lambda total, g: total + g.astype(total.dtype), accumulator, grads
+    )
+    return residency.put(accumulator, accumulator_kind)
+
+  accumulator = residency.abstract_in(
+    jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jax.numpy.float32),
+      abstract_params,
+    ),
+    accumulator_kind,
+  )
+  return _MicroStep(step, accumulator, donate_argnums=(1,))
+
+
+def _accumulating_step(
+  gradient: Callable[..., Any],
+  abstract_params: Any,
+  optimizer: optax.GradientTransformation,
+  accumulator_kind: str | None,
+  inner_state_kind: str | None,
+) -> _MicroStep:
+  """``accumulate(optimizer, k).update`` and ``optax.apply_updates``."""
+  # k does not change what a micro-step holds; 2 keeps both branches.
+  tx = transform.accumulate(
+    optimizer,
+    2,
+    accumulator_memory_kind=accumulator_kind,
+    inner_state_memory_kind=inner_state_kind,
+  )
+
+  def step(params: Any, state: Any, batch: Any) -> Any:
+    updates, state = tx.update(gradient(params, batch), state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = jax.eval_shape(tx.init, abstract_params)
+  state = state._replace(
+    accumulator=residency.abstract_in(state.accumulator, accumulator_kind),
+    inner_state=residency.abstract_in(state.inner_state, inner_state_kind),
+  )
+  return _MicroStep(step, state, donate_argnums=(0, 1))
 
 
 def plan_microbatch(
@@ -273,16 +317,16 @@ def plan_microbatch(
     global_batch_size = validation.check_positive_int(
       global_batch_size, "global_batch_size"
     )
-    candidates = [
+    sizes: Sequence[int] = [
       size
       for size in range(1, global_batch_size + 1)
       if global_batch_size % size == 0
     ]
   else:
-    max_micro_batch_size = validation.check_positive_int(
+    largest = validation.check_positive_int(
       max_micro_batch_size, "max_micro_batch_size"
     )
-    candidates = None
+    sizes = range(1, largest + 1)
   _batch_of_size(example_batch, 1)  # Checks the batch before compiling.
 
   measured: dict[int, int] = {}
@@ -301,39 +345,18 @@ def plan_microbatch(
       )
     return measured[size]
 
-  sizes = candidates or _SizesUpTo(max_micro_batch_size)
-
-  def fits(index: int) -> bool:
-    return bytes_at(sizes[index]) <= budget
-
-  # Gallops up to the first size that fits and on to the first after it
-  # that does not. A compiler may give a micro-batch of one a costlier
-  # program than a micro-batch of two (an outer product instead of a matrix
-  # product, and a copy to the layout the window wants), so a smallest size
-  # that does not fit does not end the search.
-  low, probe = None, 0
-  while probe < len(sizes):
-    if fits(probe):
-      low = probe
-    elif low is not None:
-      break
-    probe = 2 * probe if probe else 1
+  low = _largest_fitting(
+    len(sizes), lambda index: bytes_at(sizes[index]) <= budget
+  )
   if low is None:
     raise ValueError(
       f"memory_budget_bytes={budget} is below what a micro-batch of"
       f" {sizes[0]} needs ({bytes_at(sizes[0])} bytes): raise the budget,"
       " shrink the model or rematerialise activations (jax.checkpoint)."
     )
-  # Invariant: sizes[low] fits; sizes[high] does not, or high is past the end.
-  high = min(probe, len(sizes))
-  while high - low > 1:
-    middle = (low + high) // 2
-    if fits(middle):
-      low = middle
-    else:
-      high = middle
   size = sizes[low]
-  next_size = sizes[high] if high < len(sizes) else None
+  # The search tried the next size up and found it does not fit.
+  next_size = sizes[low + 1] if low + 1 < len(sizes) else None
   return MicrobatchPlan(
     micro_batch_size=size,
     num_microbatches=None
@@ -346,14 +369,33 @@ def plan_microbatch(
   )
 
 
-class _SizesUpTo:
-  """The sizes 1..stop as a sequence, without building the list."""
+def _largest_fitting(count: int, fits: Callable[[int], bool]) -> int | None:
+  """The largest index below ``count`` that ``fits``, or None if none does.
 
-  def __init__(self, stop: int) -> None:
-    self._stop = stop
-
-  def __len__(self) -> int:
-    return self._stop
-
-  def __getitem__(self, index: int) -> int:
-    return index + 1
+  Assumes that from the first index that fits, every index fits up to some
+  index and none after it (bytes grow with the size). Gallops up to the
+  first index that fits and on to the first after it that does not, then
+  bisects between them; on return ``fits`` has been called on the next index
+  up, when there is one. A compiler may give a micro-batch of one a costlier
+  program than a micro-batch of two (an outer product instead of a matrix
+  product, and a copy to the layout the window wants), so a smallest size
+  that does not fit does not end the search.
+  """
+  low, probe = None, 0
+  while probe < count:
+    if fits(probe):
+      low = probe
+    elif low is not None:
+      break
+    probe = 2 * probe if probe else 1
+  if low is None:
+    return None
+  # Invariant: low fits; high does not, or is past the end.
+  high = min(probe, count)
+  while high - low > 1:
+    middle = (low + high) // 2
+    if fits(middle):
+      low = middle
+    else:
+      high = middle
+  return low

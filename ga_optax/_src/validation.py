@@ -80,15 +80,6 @@ def check_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype:
   return dtype
 
 
-def check_axis_name(axis_name: Any) -> Any:
-  if axis_name is None or isinstance(axis_name, (str, tuple)):
-    return axis_name
-  raise TypeError(
-    "axis_name must be None, a mesh axis name (str) or a tuple of names,"
-    f" got {axis_name!r}."
-  )
-
-
 def check_grads_match(
   grads: Any, accumulator: Any, unreduced_axes: tuple[str, ...] = ()
 ) -> None:

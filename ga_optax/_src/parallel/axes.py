@@ -8,6 +8,7 @@ used by the strategies beside this module and by in-step micro-batching.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,6 +41,12 @@ def mesh_axis_types() -> dict[str, AxisType]:
   """The axis types of the mesh set with ``jax.set_mesh`` (or the tracing one)."""
   mesh = jax.sharding.get_abstract_mesh()
   return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
+def device_count(axes: Iterable[str]) -> int:
+  """Devices along the mesh ``axes`` of the current mesh (1 for none)."""
+  shape = jax.sharding.get_abstract_mesh().shape
+  return math.prod(shape[axis] for axis in axes)
 
 
 def mesh_axes(axes: Axes) -> Axes:

@@ -18,11 +18,26 @@ out:
   others start from zero. No sample is lost; the sums' rounding order
   changes, so the resumed window matches to float tolerance, not bit for
   bit.
+
+These helpers read the data-parallel mode from what they are given, not
+from the window's placement strategies (:mod:`ga_optax._src.parallel`): a
+strategy lives in the transformation that ``accumulate`` built, while a
+checkpoint helper receives only the state, often restored in another
+process that never built it. Under a plain ``jax.jit`` the state's own
+types say the mode, leaf by leaf (a leaf ``unreduced`` over mesh axes is a
+partial sum, whichever accumulation or noise-scale sum it belongs to);
+inside ``jax.shard_map`` nothing in the state tells a per-device sum from a
+replicated one, so the caller names ``axis_name``, as for ``accumulate``.
+Nor are the operations the strategies': a strategy reduces a window once,
+onto the optimizer's placement (a ZeRO-1 state's shards, say), where these
+keep the partial sums apart (stack) or sum them into a total that stays an
+accumulator (consolidate) and split it back; what they share with the
+strategies, the spec vocabulary and the device count, comes from
+:mod:`ga_optax._src.parallel.axes`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -36,11 +51,6 @@ from ga_optax._src.state import AccumulateState
 
 def _is_unreduced(leaf: Any) -> bool:
   return bool(axes_lib.unreduced_axes_of(leaf))
-
-
-def _num_devices(axes: frozenset[str] | tuple[str, ...]) -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  return math.prod(mesh.shape[axis] for axis in axes)
 
 
 def _stacked_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
@@ -263,7 +273,7 @@ def _placed_unreduced(stacked: jax.Array, twin: Any) -> jax.Array:
   stacked = residency.to_device(stacked)
   spec = axes_lib.spec_of(twin)
   axes = tuple(sorted(spec.unreduced))
-  num_devices = _num_devices(axes)
+  num_devices = axes_lib.device_count(axes)
   saved = stacked.shape[0]
   if saved != num_devices:
     padding = -saved % num_devices

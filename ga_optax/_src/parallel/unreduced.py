@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 import weakref
 from typing import Any, Protocol
@@ -192,9 +191,8 @@ class Unreduced:
     on the device, as a scalar unreduced over the mesh axes like the
     accumulator's partial sums; K grows by D.
     """
-    mesh = jax.sharding.get_abstract_mesh()
     axes = _explicit_axes()
-    devices = math.prod(mesh.shape[axis] for axis in self.unreduced_axes)
+    devices = axes_lib.device_count(self.unreduced_axes)
     leaves = jax.tree.leaves(grads)
     specs = tuple(axes_lib.spec_of(leaf) for leaf in leaves)
 
@@ -203,7 +201,7 @@ class Unreduced:
       for block, spec in zip(blocks, specs, strict=True):
         # A leaf whole on several devices of an axis is counted once.
         spread = axes_lib.sharded_axes(spec) | set(spec.unreduced)
-        copies = math.prod(mesh.shape[a] for a in axes if a not in spread)
+        copies = axes_lib.device_count(a for a in axes if a not in spread)
         square = square + noise_scale.square_norm(block) / copies
       share = jnp.where(weight > 0, weight * devices * square, 0.0)
       return share[None]

@@ -28,7 +28,6 @@ state leaves shaped like it; other state leaves follow the rule.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -45,8 +44,10 @@ def _is_spec(node: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardedState:
-  """The optimizer state sharded over mesh axes, by the rule or by specs.
+class Shards:
+  """Which spec each parameter and state leaf takes: by the rule or by specs.
+
+  Only specs are decided here; :class:`ShardedState` moves the data.
 
   Attributes:
     axes: the mesh axes to shard over (with ``specs``: every axis they name).
@@ -59,8 +60,8 @@ class ShardedState:
   specs: Any = None
 
   @classmethod
-  def of(cls, inner_state_axes: Any) -> ShardedState:
-    """The placement the ``inner_state_axes`` argument asks for.
+  def of(cls, inner_state_axes: Any) -> Shards:
+    """The shards the ``inner_state_axes`` argument asks for.
 
     Raises:
       TypeError: neither axis names nor a tree of partition specs.
@@ -82,9 +83,6 @@ class ShardedState:
     named = {axis for spec in specs for axis in axes_lib.sharded_axes(spec)}
     return cls(tuple(sorted(named)), inner_state_axes)
 
-  def check_mesh(self) -> None:
-    axes_lib.check_explicit(self.axes, "inner_state_axes")
-
   def rule_spec(self, leaf: Any) -> PartitionSpec:
     """The placement rule: ``leaf``'s spec with the axes on one more dimension.
 
@@ -98,7 +96,7 @@ class ShardedState:
     partitions += [None] * (len(shape) - len(partitions))
     used = axes_lib.sharded_axes(spec)
     free = tuple(axis for axis in self.axes if axis not in used)
-    devices = _device_count(free)
+    devices = axes_lib.device_count(free)
     for dim, (size, entry) in enumerate(zip(shape, partitions, strict=True)):
       if free and entry is None and size > 0 and size % devices == 0:
         partitions[dim] = free[0] if len(free) == 1 else free
@@ -138,50 +136,86 @@ class ShardedState:
         )
     return self.specs
 
-  def place(
-    self, inner: optax.GradientTransformation, inner_state: Any, params: Any
-  ) -> Any:
-    """``inner_state`` sharded by the placement (what ``init`` keeps).
+  def state_specs(
+    self, inner_state: Any, params: Any
+  ) -> list[PartitionSpec | None]:
+    """The spec of each leaf of ``inner_state``, in leaf order.
 
-    With specs, a state leaf that mirrors a parameter (its path ends with
-    the parameter's path, as Adam's moments' do, and it has the parameter's
-    shape) takes the parameter's spec; any other leaf (a count, Adafactor's
-    factored statistics) follows the rule.
+    None for a leaf that is not an array. With specs, a state leaf that
+    mirrors a parameter (its path ends with the parameter's path, as Adam's
+    moments' do, and it has the parameter's shape) takes the parameter's
+    spec; any other leaf (a count, Adafactor's factored statistics) follows
+    the rule.
     """
-    del inner
-    if self.specs is None:
-      return jax.tree.map(
-        lambda leaf: (
-          jax.reshard(leaf, self.rule_spec(leaf))
-          if isinstance(leaf, jax.Array)
-          else leaf
-        ),
-        inner_state,
-      )
-    mirrored = {
-      _path_keys(path): (tuple(jnp.shape(param)), spec)
-      for (path, param), spec in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0],
-        jax.tree.leaves(self.update_specs(params), is_leaf=_is_spec),
-        strict=True,
-      )
-    }
+    mirrored = (
+      {}
+      if self.specs is None
+      else {
+        _path_keys(path): (tuple(jnp.shape(param)), spec)
+        for (path, param), spec in zip(
+          jax.tree_util.tree_flatten_with_path(params)[0],
+          jax.tree.leaves(self.update_specs(params), is_leaf=_is_spec),
+          strict=True,
+        )
+      }
+    )
 
-    def place_leaf(path: Any, leaf: Any) -> Any:
+    def leaf_spec(path: Any, leaf: Any) -> PartitionSpec | None:
       if not isinstance(leaf, jax.Array):
-        return leaf
+        return None
       keys = _path_keys(path)
       for start in range(len(keys)):
         shape, spec = mirrored.get(keys[start:], ((), None))
         if spec is not None and shape == leaf.shape:
-          return jax.reshard(leaf, spec)
-      return jax.reshard(leaf, self.rule_spec(leaf))
+          return spec
+      return self.rule_spec(leaf)
 
-    return jax.tree_util.tree_map_with_path(place_leaf, inner_state)
+    return [
+      leaf_spec(path, leaf)
+      for path, leaf in jax.tree_util.tree_flatten_with_path(inner_state)[0]
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedState:
+  """The optimizer state on its shards: placed, reduced onto, stepped there.
+
+  Attributes:
+    shards: which spec each parameter and state leaf takes.
+  """
+
+  shards: Shards
+
+  @classmethod
+  def of(cls, inner_state_axes: Any) -> ShardedState:
+    """The placement the ``inner_state_axes`` argument asks for.
+
+    Raises:
+      TypeError: neither axis names nor a tree of partition specs.
+    """
+    return cls(Shards.of(inner_state_axes))
+
+  def check_mesh(self) -> None:
+    axes_lib.check_explicit(self.shards.axes, "inner_state_axes")
+
+  def place(
+    self, inner: optax.GradientTransformation, inner_state: Any, params: Any
+  ) -> Any:
+    """``inner_state`` sharded as :meth:`Shards.state_specs` says."""
+    del inner
+    leaves, treedef = jax.tree.flatten(inner_state)
+    specs = self.shards.state_specs(inner_state, params)
+    return jax.tree.unflatten(
+      treedef,
+      [
+        leaf if spec is None else jax.reshard(leaf, spec)
+        for leaf, spec in zip(leaves, specs, strict=True)
+      ],
+    )
 
   def reduce(self, accumulator: Any, params: Any) -> Any:
     """The window's unreduced sum, reduce-scattered onto the state's slices."""
-    specs = self.update_specs(_required(params))
+    specs = self.shards.update_specs(_required(params))
     return jax.tree.map(_reduce_scatter, accumulator, specs)
 
   def update(
@@ -199,7 +233,7 @@ class ShardedState:
     and the updates are gathered back to each parameter's spec. The new
     state keeps the sharding of the old one.
     """
-    specs = self.update_specs(_required(params))
+    specs = self.shards.update_specs(_required(params))
     # Under Auto axes the compiler reconciles leaves that the rule shards
     # along different dimensions (Adafactor's row and column statistics meet
     # a gradient sliced along one of them); Explicit types would refuse them.
@@ -208,7 +242,7 @@ class ShardedState:
     )
     on_slices = jax.sharding.auto_axes(
       step,
-      axes=self.axes,
+      axes=self.shards.axes,
       out_sharding=(specs, jax.tree.map(axes_lib.spec_of, inner_state)),
     )
     updates, new_state = on_slices(
@@ -264,15 +298,10 @@ def _path_keys(path: Any) -> tuple[str, ...]:
   return tuple(jax.tree_util.keystr((key,)) for key in path)
 
 
-def _device_count(axes: axes_lib.Axes) -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  return math.prod(mesh.shape[axis] for axis in axes)
-
-
 def _fits(spec: PartitionSpec, shape: tuple[int, ...]) -> bool:
   """Whether each dimension of ``shape`` divides over its spec entry's axes."""
   return len(spec.partitions) <= len(shape) and all(
-    size % _device_count(axes_lib.spec_entry_axes(entry)) == 0
+    size % axes_lib.device_count(axes_lib.spec_entry_axes(entry)) == 0
     for size, entry in zip(shape, spec.partitions, strict=False)
   )
 

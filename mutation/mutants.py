@@ -810,6 +810,20 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_plain_jit_mesh.py::test_accumulate_unreduced_matches_the_large_batch",
     ),
   ),
+  Mutant(
+    name="returned_weight_is_one_devices",
+    guarantee="data parallel (one reduction of the token count)",
+    defect="unreduced_value_and_grad(return_weight=True) returns each"
+    " device's own weight, not the sum over the devices",
+    edits=(
+      Edit(
+        "ga_optax/_src/microbatch_devices.py",
+        "    return Result(value, stacked, aux, weight_sum, None)",
+        "    return Result(value, stacked, aux, sums.weight, None)",
+      ),
+    ),
+    tests=("tests/test_language_model_data_parallel.py",),
+  ),
   # The memory planner.
   Mutant(
     name="planner_drops_temporaries",

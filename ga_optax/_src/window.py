@@ -152,7 +152,7 @@ class Window:
       ),
       inner_state=self.inner_state_home.keep(inner_state, unplaced=unplaced),
       noise_scale=self.noise.init(self.parallel),
-      overwrite=fp8.init_window(fp8_state),
+      overwrite=fp8.init_window(fp8_state, reduction=self.reduction),
     )
 
   def update(

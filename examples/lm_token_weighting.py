@@ -207,7 +207,10 @@ def make_loss(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
 
   def token_mean_loss(params: nnx.State, tokens: jax.Array) -> jax.Array:
     model = nnx.merge(graphdef, params)
-    logits = model(tokens[:, :-1])
+    # The loss in float32 whatever the model computes in (a no-op for a
+    # float32 model): a bfloat16 log-softmax over the vocabulary would round
+    # each token's loss to 8 bits.
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
     targets = tokens[:, 1:]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     real = targets != PAD

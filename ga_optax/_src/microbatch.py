@@ -17,7 +17,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ga_optax._src import batch_layout, eager, validation
+from ga_optax._src import batch_layout, eager, precision, validation
 from ga_optax._src.microbatch_devices import (
   Result,
   data_parallel_axes,
@@ -72,6 +72,14 @@ def _check_options(
       " drop checkpoint_policy."
     )
   batch_layout.check_in_axes(in_axes)
+  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  # Points at the user's call of microbatched_value_and_grad.
+  precision.warn_if_accumulator_too_narrow(
+    accumulator_dtype,
+    num_microbatches,
+    stacklevel=3,
+    window_argument="num_microbatches",
+  )
   return Microbatching(
     loss=MicrobatchLoss(
       fun=fun,
@@ -81,7 +89,7 @@ def _check_options(
     ),
     weighting=Weighting(
       weight_fn=weight_fn,
-      accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
+      accumulator_dtype=accumulator_dtype,
       noise_scale=noise_scale,
     ),
     num_microbatches=num_microbatches,

@@ -1,5 +1,8 @@
 """Whether an accumulator dtype can hold the sum of a window's gradients.
 
+Also whether an optimizer's state has the exponent range its moments need
+(see :func:`warn_if_state_range_too_narrow`).
+
 A window's accumulator holds ``sum(weight_i * grad_i)`` over up to k
 micro-steps. As the sum grows, each new term is rounded to the sum's spacing:
 with p significant bits, a sum of k gradients of similar size and sign leaves
@@ -14,6 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from ga_optax._src import validation
@@ -48,7 +52,11 @@ def _largest_k(every_k: EveryK) -> int | None:
 
 
 def warn_if_accumulator_too_narrow(
-  accumulator_dtype: Any, every_k: EveryK, *, stacklevel: int = 2
+  accumulator_dtype: Any,
+  every_k: EveryK,
+  *,
+  stacklevel: int = 2,
+  window_argument: str = "k",
 ) -> None:
   """Warns when ``accumulator_dtype`` cannot sum windows of ``every_k``.
 
@@ -84,6 +92,11 @@ def warn_if_accumulator_too_narrow(
     stacklevel: as for ``warnings.warn``, counted from the caller of this
       function: 1 points the warning at the line that calls it, 2 (the
       default) at the line that called that function.
+    window_argument: how the message names the window's length: ``"k"``
+      (the default, for ``every_k``), or the caller's own argument, such as
+      ``"num_microbatches"`` for :func:`ga_optax.microbatched_value_and_grad`,
+      whose scan sums its micro-batches' gradients in ``accumulator_dtype``
+      too.
 
   Example:
     >>> import warnings
@@ -111,9 +124,85 @@ def warn_if_accumulator_too_narrow(
   )
   warnings.warn(
     f"accumulator_dtype {jnp.dtype(accumulator_dtype).name} keeps {bits}"
-    f" significant bits, too few for windows of k = {largest_k} micro-steps:"
-    f" {consequence}. Keep k below {limit}, or accumulate in a wider dtype"
-    " (jnp.float32, the default, keeps 24 bits).",
+    f" significant bits, too few for windows of {window_argument} ="
+    f" {largest_k} micro-steps: {consequence}. Keep {window_argument} below"
+    f" {limit}, or accumulate in a wider dtype (jnp.float32, the default,"
+    " keeps 24 bits).",
+    UserWarning,
+    stacklevel=stacklevel + 1,
+  )
+
+
+def _narrow_range_dtypes(tree: Any) -> list[str]:
+  """The floating dtypes in ``tree`` whose exponents stop short of float32's."""
+  float32_min_exponent = jnp.finfo(jnp.float32).minexp
+  found = set()
+  for leaf in jax.tree.leaves(tree):
+    dtype = getattr(leaf, "dtype", None)
+    if (
+      dtype is not None
+      and jnp.issubdtype(dtype, jnp.floating)
+      and jnp.finfo(dtype).minexp > float32_min_exponent
+    ):
+      found.add(jnp.dtype(dtype).name)
+  return sorted(found)
+
+
+def warn_if_state_range_too_narrow(
+  state: Any, *, argument: str = "optimizer", stacklevel: int = 2
+) -> None:
+  """Warns when an optimizer's state holds floats of less range than float32.
+
+  optax makes an optimizer's moments in the dtype of the params its
+  ``init`` sees (Adam's ``nu`` always, ``mu`` unless ``mu_dtype`` is
+  given), so float16 params give it a float16 state. Adam-like optimizers
+  average squared gradients there, and float16 ends at 6e-08 (its smallest
+  subnormal): a squared gradient under that flushes to zero, and so does
+  Adam's default ``eps`` of 1e-8, so the update divides by zero. Measured
+  with ``optax.adam(1e-3)`` on float16 params, on the first step: a
+  gradient of 1e-2 gives an update of -9.2e-4 (float32: -1e-3), one of
+  magnitude 5e-3 or less an infinite update, and a zero gradient NaN. The
+  float8 formats end sooner still.
+
+  bfloat16 keeps float32's exponent range and is not warned about: its 8
+  significant bits round the moments coarsely, but no value flushes to
+  zero. (Measured on ``examples/bf16_recipe.py``, bfloat16 moments of
+  bfloat16 params cost about a tenth of what the params' own rounding
+  costs; see the bfloat16 recipe in docs/how-to/mixed-precision.md.)
+
+  Args:
+    state: the optimizer's state, as its ``init`` made it: only the dtypes
+      of its leaves are read, so abstract or traced leaves do as well.
+    argument: the argument that gave the optimizer, for the message.
+    stacklevel: as for ``warnings.warn``, counted from the caller of this
+      function: 1 points the warning at the line that calls it, 2 (the
+      default) at the line that called that function.
+
+  Example:
+    >>> import warnings
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from ga_optax._src.precision import warn_if_state_range_too_narrow
+    >>> state = optax.adam(1e-3).init(jnp.zeros(3, jnp.float16))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   warn_if_state_range_too_narrow(state)
+    >>> print(caught[0].message)  # doctest: +ELLIPSIS
+    optimizer's state holds float16 arrays, whose range ends at 6e-08: ...
+  """
+  narrow = _narrow_range_dtypes(state)
+  if not narrow:
+    return
+  smallest = min(float(jnp.finfo(name).smallest_subnormal) for name in narrow)
+  warnings.warn(
+    f"{argument}'s state holds {' and '.join(narrow)} arrays, whose range"
+    f" ends at {smallest:.1g}: the squared gradients that Adam-like"
+    " optimizers average (Adam's nu) flush to zero there, and so does"
+    " Adam's default eps of 1e-8, so the update divides by zero (optax.adam"
+    " on float16 params: infinite updates from the first step for gradients"
+    " of magnitude 5e-3 or less). Keep the optimizer's state in float32: float32 master"
+    " params, or an init from float32 copies of the params (see the"
+    " bfloat16 recipe in docs/how-to/mixed-precision.md).",
     UserWarning,
     stacklevel=stacklevel + 1,
   )

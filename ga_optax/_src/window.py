@@ -37,6 +37,7 @@ from ga_optax._src import (
   dtypes,
   every_k,
   fp8,
+  precision,
   residency,
   run_once,
   validation,
@@ -134,9 +135,10 @@ class Window:
       ),
       trained,
     )
-    inner_state = self.parallel.place_state(
-      self.inner, self.inner.init(params), params
-    )
+    inner_state = self.inner.init(params)
+    # Points at the user's call of init.
+    precision.warn_if_state_range_too_narrow(inner_state)
+    inner_state = self.parallel.place_state(self.inner, inner_state, params)
     # The state's arrays that JAX has not placed (scalars such as Adam's
     # count) follow the params' devices into the memory kind.
     unplaced = residency.replicated_over(params)

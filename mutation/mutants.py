@@ -824,6 +824,40 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=("tests/test_language_model_data_parallel.py",),
   ),
+  Mutant(
+    name="in_step_fp8_loss_not_a_share",
+    guarantee="mixed precision (float8 state in-step)",
+    defect="the in-step scan differentiates each micro-batch's mean loss"
+    " instead of its share of the batch's, so its backward pass quantises"
+    " gradients W / w_i times the large batch's",
+    edits=(
+      Edit(
+        MICROBATCH,
+        "        share = jnp.where(weight > 0, weight / batch_weight, 1.0)",
+        "        share = jnp.ones_like(weight)",
+      ),
+    ),
+    tests=(
+      "tests/test_fp8.py::test_microbatched_value_and_grad_combines_the_fp8_state",
+    ),
+  ),
+  Mutant(
+    name="fp8_state_summed_not_combined",
+    guarantee="mixed precision (float8 state per call)",
+    defect="a forward amax history is summed over the micro-batches, as a"
+    " gradient would be, instead of taking their max",
+    edits=(
+      Edit(
+        "ga_optax/_src/fp8.py",
+        "      combined = jnp.maximum(kept, new)",
+        "      combined = kept + new",
+      ),
+    ),
+    tests=(
+      "tests/test_fp8.py::test_fresh_state_window_is_the_large_batch",
+      "tests/test_fp8.py::test_microbatched_value_and_grad_combines_the_fp8_state",
+    ),
+  ),
   # The memory planner.
   Mutant(
     name="planner_drops_temporaries",

@@ -616,93 +616,6 @@ def test_bad_fp8_state_and_reduction():
     fp8.combine(window, {"kernel_scale": jnp.ones(1)}, 1.0)
 
 
-def in_step_grads(
-  model: Mlp, variables: Any, microbatches: Any, axis_name: Any = None
-) -> Any:
-  """The hook as the in-step scan calls it, with each micro-batch's share.
-
-  The window's weight is known before the scan (each micro-batch's real
-  rows); each micro-batch differentiates its share of the window's mean
-  loss, the scan sums, and the fp8 part of each gradient is combined, not
-  summed. Inside ``jax.shard_map``, one ``psum`` and one ``pmax`` after
-  the scan.
-  """
-  params, start = fp8.split_variables(variables)
-  weights = jnp.sum(microbatches["mask"], axis=1)
-  total = jnp.sum(weights)
-  if axis_name is not None:
-    total = jax.lax.psum(total, axis_name)
-
-  def body(carry, xs):
-    grad_sum, window = carry
-    microbatch, weight = xs
-    grads = jax.grad(lambda v: share_loss(model, v, microbatch, total))(
-      variables
-    )
-    param_grads, latest = fp8.split_variables(grads)
-    window = fp8.combine(window, latest, jnp.where(weight > 0, 1.0, 0.0))
-    return (jax.tree.map(jnp.add, grad_sum, param_grads), window), None
-
-  initial = (
-    jax.tree.map(jnp.zeros_like, params),
-    fp8.init_window(start, reduction="sum"),
-  )
-  (grad_sum, window), _ = jax.lax.scan(body, initial, (microbatches, weights))
-  if axis_name is not None:
-    grad_sum = jax.lax.psum(grad_sum, axis_name)
-    window = fp8.across_devices(window, axis_name)
-  return fp8.join_variables(
-    variables, grad_sum, fp8.close(window, start, total)
-  )
-
-
-def test_in_step_hook_is_the_large_batch_gradient():
-  # Four micro-batches of 4 rows, one with padding rows: the scan's
-  # gradient, its fp8 part included, is jax.grad on the whole batch.
-  model = Mlp()
-  variables = warm_variables("Fp8DirectDotGeneralOp")
-  batch = make_batch(np.random.default_rng(10), 16)
-  batch["mask"] = batch["mask"].at[13:].set(0.0)
-  microbatches = jax.tree.map(lambda leaf: leaf.reshape(4, 4, -1), batch)
-  microbatches["mask"] = microbatches["mask"][..., 0]
-  grads = jax.jit(functools.partial(in_step_grads, model))(
-    variables, microbatches
-  )
-  expected = reference_grad(model)(variables, batch)
-  assert_close(grads[FP8], expected[FP8], rtol=1e-6, atol=0)
-  assert_close(grads["params"], expected["params"], rtol=1e-5, atol=1e-7)
-
-
-def test_in_step_hook_across_eight_devices():
-  # 8 devices x 2 micro-batches x 2 rows under jax.shard_map: one psum and
-  # one pmax after the scan give every device the large batch's gradient.
-  model = Mlp()
-  variables = warm_variables("Fp8DirectDotGeneralOp")
-  batch = make_batch(np.random.default_rng(11), 32)
-  mesh = jax.make_mesh((8,), ("data",))
-  P = jax.sharding.PartitionSpec
-  sharded = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
-
-  def per_device(variables, batch):
-    microbatches = jax.tree.map(
-      lambda leaf: leaf.reshape(2, 2, *leaf.shape[1:]), batch
-    )
-    return in_step_grads(model, variables, microbatches, axis_name="data")
-
-  grads = jax.jit(
-    jax.shard_map(
-      per_device,
-      mesh=mesh,
-      in_specs=(P(), P("data")),
-      out_specs=P(),
-      check_vma=False,
-    )
-  )(variables, sharded)
-  expected = reference_grad(model)(variables, batch)
-  assert_close(grads[FP8], expected[FP8], rtol=1e-6, atol=0)
-  assert_close(grads["params"], expected["params"], rtol=1e-5, atol=1e-7)
-
-
 # The H100 program.
 
 
@@ -768,3 +681,88 @@ def test_h100_program_of_the_fp8_step_holds_fp8_gemms():
   # inputs, and the input times it for the 3 kernels.
   assert gemms.count(("f8e4m3fn", "f8e4m3fn")) == 3, gemms
   assert len([g for g in gemms if "f8e5m2" in g]) == 5, gemms
+
+
+# The in-step path: microbatched_value_and_grad. It knows the batch's weight
+# before its scan, and differentiates each micro-batch's share of the
+# batch's loss: the whole fp8 state is the large batch's, also with trained
+# scales.
+
+
+def in_step_window(model: Mlp, num_microbatches: int) -> Callable[..., Any]:
+  return ga_optax.microbatched_value_and_grad(
+    lambda variables, batch: mean_loss(model, variables, batch),
+    num_microbatches,
+    weight_fn=lambda batch: jnp.sum(batch["mask"]),
+  )
+
+
+def assert_in_step_like_the_large_batch(grads: Any, expected: Any) -> None:
+  assert np.all(np.isfinite(flat_leaves(grads)))
+  assert_close(grads[FP8], expected[FP8], rtol=1e-6, atol=0)
+  assert_close(grads["params"], expected["params"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_microbatched_value_and_grad_combines_the_fp8_state(op_name):
+  model = Mlp(OPS[op_name])
+  variables = warm_variables(op_name)
+  batch = make_batch(np.random.default_rng(12), 16)
+  batch["mask"] = batch["mask"].at[13:].set(0.0)
+  _, grads = jax.jit(in_step_window(model, 4))(variables, batch)
+  expected = reference_grad(model)(variables, batch)
+  assert_in_step_like_the_large_batch(grads, expected)
+  # The fp8 state is read once and combined, not averaged: averaging the
+  # micro-batches' new histories would divide each amax by 4.
+  history = leaves_named(grads[FP8], r"Dense_0.*input_amax_history")
+  assert all(float(leaf[0]) > 0 for leaf in history.values())
+
+
+def test_microbatched_value_and_grad_combines_fp8_state_across_devices():
+  model = Mlp()
+  variables = warm_variables("Fp8DirectDotGeneralOp")
+  batch = make_batch(np.random.default_rng(13), 32)
+  mesh = jax.make_mesh((8,), ("data",))
+  P = jax.sharding.PartitionSpec
+  window = in_step_window(model, 2)
+  expected = reference_grad(model)(variables, batch)
+  sharded = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+  # Under plain jit on the mesh, and inside shard_map with axis_name.
+  with jax.set_mesh(mesh):
+    _, plain = jax.jit(window)(variables, sharded)
+  mapped = jax.jit(
+    jax.shard_map(
+      lambda variables, batch: ga_optax.microbatched_value_and_grad(
+        lambda v, b: mean_loss(model, v, b),
+        2,
+        weight_fn=lambda b: jnp.sum(b["mask"]),
+        axis_name="data",
+      )(variables, batch)[1],
+      mesh=mesh,
+      in_specs=(P(), P("data")),
+      out_specs=P(),
+      check_vma=False,
+    )
+  )(variables, sharded)
+  for grads in (plain, mapped):
+    assert_in_step_like_the_large_batch(grads, expected)
+
+
+def test_unreduced_value_and_grad_refuses_fp8_state():
+  model = Mlp()
+  variables = model.init(jax.random.key(0), jnp.zeros((1, FEATURES)))
+  batch = make_batch(np.random.default_rng(14), 16)
+  mesh = jax.make_mesh(
+    (8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+  )
+  value_and_grad = ga_optax.unreduced_value_and_grad(
+    lambda v, b: mean_loss(model, v, b)
+  )
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(batch, jax.sharding.PartitionSpec("data"))
+    with pytest.raises(ValueError, match="float8 state"):
+      jax.jit(value_and_grad)(variables, sharded)
+
+
+def flat_leaves(tree: Any) -> np.ndarray:
+  return np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(tree)])

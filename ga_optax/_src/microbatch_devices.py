@@ -94,12 +94,19 @@ def per_device_sums(
       local = local._replace(
         rng=jax.random.fold_in(local.rng, jax.lax.axis_index(axes))
       )
-    sums, aux = microbatching.sums(local)
+    sums, aux = microbatching.sums(local, device_axes=axes)
     weighting = microbatching.weighting
     if not unreduced:
-      sums = jax.lax.psum(sums, axes)
+      sums = sums.reduced(axes)
       value, grads = weighting.mean(sums, local.trainable.diff)
       return Result(value, grads, aux, sums.weight, weighting.estimate(sums))
+    if sums.fp8 is not None:
+      raise ValueError(
+        "unreduced_value_and_grad cannot leave Flax float8 state"
+        " (_overwrite_with_gradient) unreduced: it is combined by a max, not"
+        " summed. Use ga_optax.microbatched_value_and_grad, whose gradients"
+        " are reduced once after its scan."
+      )
     # The value's and the weight's sums share one scalar all-reduce.
     value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
     value, grads = weighting.mean(
@@ -231,9 +238,11 @@ def local_or_manual(
     inputs = inputs._replace(
       rng=jax.random.fold_in(inputs.rng, jax.lax.axis_index(manual_axes))
     )
-  sums, aux = microbatching.sums(inputs, varying_axes=varying_axes)
+  sums, aux = microbatching.sums(
+    inputs, varying_axes=varying_axes, device_axes=manual_axes
+  )
   if manual_axes:
-    sums = jax.lax.psum(sums, manual_axes)
+    sums = sums.reduced(manual_axes)
   weighting = microbatching.weighting
   value, grads = weighting.mean(sums, trainable.diff)
   return Result(value, grads, aux, sums.weight, weighting.estimate(sums))

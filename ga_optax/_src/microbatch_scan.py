@@ -9,7 +9,14 @@ Only one micro-batch's activations are alive at a time.
 Gradients are taken of the floating (and complex) array leaves of the
 parameters; every other leaf (an Equinox model's activation functions, an
 integer counter) is held static, as ``equinox.filter_value_and_grad`` does
-(:class:`Trainable`).
+(:class:`Trainable`). Flax float8 state (the ``_overwrite_with_gradient``
+collection of Linen variables) is read once, at its value before the scan,
+by every micro-batch; its "gradients" (new values) are combined as one
+large batch makes them (:mod:`ga_optax._src.fp8`), never summed. So that
+each micro-batch's backward pass quantises as the large batch's does, its
+loss is scaled to its share of the batch's, ``w_i / W``, while it is
+differentiated (the weights are summed before the scan), and its gradient
+is scaled back.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ga_optax._src import batch_layout, dtypes, validation
+from ga_optax._src import batch_layout, dtypes, fp8, validation
 from ga_optax._src import noise_scale as noise_lib
 from ga_optax._src.batch_layout import BatchLayout
 from ga_optax._src.parallel import axes as axes_lib
@@ -116,6 +123,9 @@ class Sums(NamedTuple):
     square: with ``noise_scale``, ``sum(w_i |grad_i|^2)``; else None.
     micro_batches: with ``noise_scale``, how many micro-batches had weight
       > 0; else None.
+    fp8: for Flax variables with float8 state, the running combination of
+      the micro-batches' new float8 state (``grads`` holds zeros there);
+      else None.
   """
 
   grads: Any
@@ -123,6 +133,14 @@ class Sums(NamedTuple):
   weight: jax.Array
   square: Any = None
   micro_batches: Any = None
+  fp8: Any = None
+
+  def reduced(self, axes: axes_lib.Axes) -> Sums:
+    """The sums over the devices of ``axes``; float8 state by a max."""
+    summed = jax.lax.psum(self._replace(fp8=None), axes)
+    if self.fp8 is None:
+      return summed
+    return summed._replace(fp8=fp8.across_devices(self.fp8, axes))
 
 
 class MicrobatchLoss(NamedTuple):
@@ -146,15 +164,22 @@ class MicrobatchLoss(NamedTuple):
     microbatch: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    share: Any = None,
   ) -> tuple[Any, Any, Any]:
     """``(value, aux, grads)`` of ``fun`` on one micro-batch.
 
     ``aux`` is None without ``has_aux``; ``grads`` is a tree like
-    ``trainable.diff``.
+    ``trainable.diff``. With ``share``, the loss differentiated is ``fun``
+    times ``share``, and the value and gradient returned are that one's.
     """
 
     def loss(diff: Any) -> Any:
-      return self.fun(trainable.params(diff), microbatch, *args, **kwargs)
+      output = self.fun(trainable.params(diff), microbatch, *args, **kwargs)
+      if share is None:
+        return output
+      if self.has_aux:
+        return output[0] * share, output[1]
+      return output * share
 
     if self.remat:
       loss = jax.checkpoint(loss, policy=self.checkpoint_policy)
@@ -193,6 +218,9 @@ class Weighting(NamedTuple):
       weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
       square=jnp.zeros((), jnp.float32) if self.noise_scale else None,
       micro_batches=jnp.zeros((), jnp.int32) if self.noise_scale else None,
+      # Each micro-batch's loss is its share of the batch's: the window
+      # sums the output-gradient amaxes instead of averaging them.
+      fp8=fp8.init_window(fp8.split_variables(diff)[1], reduction="sum"),
     )
 
   def weight_of(self, microbatch: Any) -> jax.Array:
@@ -230,6 +258,12 @@ class Weighting(NamedTuple):
     """``sums`` with one micro-batch's value and gradient added, weighted."""
     # A weight-0 micro-batch may hold a 0 / 0 loss: select, not multiply.
     has_weight = weight > 0
+    window = sums.fp8
+    if window is not None:
+      params_grads, latest = fp8.split_variables(grads)
+      window = fp8.combine(window, latest, has_weight.astype(jnp.float32))
+      zeros = jax.tree.map(jnp.zeros_like, latest)
+      grads = fp8.join_variables(grads, params_grads, zeros)
 
     def add_term(total: jax.Array, term: jax.Array) -> jax.Array:
       term = term.astype(total.dtype)
@@ -242,6 +276,7 @@ class Weighting(NamedTuple):
       grads=jax.tree.map(add_term, sums.grads, grads),
       value=add_term(sums.value, value),
       weight=sums.weight + weight,
+      fp8=window,
     )
     if self.noise_scale:
       square = weight.astype(jnp.float32) * noise_lib.square_norm(grads)
@@ -265,6 +300,13 @@ class Weighting(NamedTuple):
       sums.grads,
       diff,
     )
+    if sums.fp8 is not None:
+      # The float8 state's "gradient" is the large batch's new state.
+      params_grads, _ = fp8.split_variables(grads)
+      start = fp8.split_variables(diff)[1]
+      grads = fp8.join_variables(
+        grads, params_grads, fp8.close(sums.fp8, start, sums.weight)
+      )
     return sums.value * scale, grads
 
   def estimate(self, sums: Sums) -> noise_lib.NoiseScaleEstimate | None:
@@ -297,13 +339,17 @@ class Microbatching(NamedTuple):
   num_microbatches: int
 
   def sums(
-    self, inputs: Inputs, varying_axes: axes_lib.Axes = ()
+    self,
+    inputs: Inputs,
+    varying_axes: axes_lib.Axes = (),
+    device_axes: axes_lib.Axes = (),
   ) -> tuple[Sums, Any]:
     """The weighted sums over the micro-batches of ``inputs``' batch.
 
     ``varying_axes``: inside a ``jax.shard_map`` that checks varying axes,
     the manual axes the gradients vary over; the carry is cast to vary over
-    them too, so that the scan keeps its type.
+    them too, so that the scan keeps its type. ``device_axes``: the axes
+    the batch is split over, whose devices' weights make the batch's.
     """
     layout, trainable = inputs.layout, inputs.trainable
     microbatches = batch_layout.split_microbatches(
@@ -312,6 +358,17 @@ class Microbatching(NamedTuple):
     initial = axes_lib.cast_to_varying(
       self.weighting.zeros(trainable.diff), varying_axes
     )
+    batch_weight = None
+    if initial.fp8 is not None:
+      weights = jax.lax.map(
+        lambda split: self.weighting.weight_of(
+          layout.rebuild(split, inputs.whole)
+        ),
+        microbatches,
+      )
+      batch_weight = jnp.sum(weights)
+      if device_axes:
+        batch_weight = jax.lax.psum(batch_weight, device_axes)
 
     def scan_body(sums: Sums, xs: tuple[jax.Array, Any]) -> tuple[Sums, Any]:
       index, split = xs
@@ -319,10 +376,24 @@ class Microbatching(NamedTuple):
       kwargs = dict(inputs.kwargs)
       if inputs.rng is not None:
         kwargs["rng"] = jax.random.fold_in(inputs.rng, index)
-      value, aux, grads = self.loss.value_and_grad(
-        trainable, microbatch, inputs.args, kwargs
-      )
       weight = self.weighting.weight_of(microbatch)
+      if batch_weight is None:
+        value, aux, grads = self.loss.value_and_grad(
+          trainable, microbatch, inputs.args, kwargs
+        )
+      else:
+        # Float8 state: the loss's share of the batch's, so that its
+        # backward pass quantises as the large batch's; scaled back after.
+        share = jnp.where(weight > 0, weight / batch_weight, 1.0)
+        value, aux, grads = self.loss.value_and_grad(
+          trainable, microbatch, inputs.args, kwargs, share
+        )
+        params_grads, latest = fp8.split_variables(grads)
+        params_grads = jax.tree.map(
+          lambda grad: grad / share.astype(grad.dtype), params_grads
+        )
+        grads = fp8.join_variables(grads, params_grads, latest)
+        value = value / share
       return self.weighting.add(sums, value, grads, weight), aux
 
     indices = jnp.arange(self.num_microbatches, dtype=jnp.int32)

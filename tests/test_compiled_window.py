@@ -1,8 +1,9 @@
-"""The window's two sides in the compiled program, and the path audit itself.
+"""The window's sides in the compiled program, and the path audit itself.
 
-Each side of the window is a loop of at most one trip named by its scope.
-On the program this backend compiles: both sides are there, nothing of the
-closing side runs on a micro-step, and on 8 simulated devices a ZeRO-1
+Each side of the window is a loop of at most one trip named by its scope (on
+the CPU: the gradient is added first, and the closing side is a
+conditional). On the program this backend compiles: the sides are there,
+nothing of the closing side runs on a micro-step, and on 8 simulated devices a ZeRO-1
 micro-step exchanges scalars only (tests/test_gpu_program.py holds the same
 and more on the program XLA:GPU compiles for H100s). Then
 :func:`ga_optax.testing.path_audit` on hand-written HLO, where every figure
@@ -68,7 +69,13 @@ def compiled_step(tx, fused=False):
 def test_the_optimizer_runs_only_on_the_closing_side(make):
   tx, fused = make()
   program = compiled_step(tx, fused)
-  assert testing.window_sides(program) == {"keep_open": 1, "close_window": 1}
+  # On the CPU the gradient is added before the closing side, which is a
+  # conditional there (run_once.py says why); elsewhere both sides are loops.
+  keep_open = 0 if jax.default_backend() == "cpu" else 1
+  assert testing.window_sides(program) == {
+    "keep_open": keep_open,
+    "close_window": 1,
+  }
   micro_step = testing.path_audit(program, "micro_step")
   closing = testing.path_audit(program, "closing")
   assert micro_step.misplaced_closing_work == []
@@ -170,6 +177,7 @@ ENTRY %main (p0: f32[256], p1: f32[1024], p2: pred[], p3: f32[64]) -> f32[1024] 
   %init = (s32[], f32[256]{0}) tuple(%zero, %p0)
   %scan = (s32[], f32[256]{0}) while(%init), condition=%scan_cond, body=%scan_body, backend_config={"known_trip_count":{"n":"4"}}
   %hoisted = f32[1024]{0} multiply(%p1, %p1), metadata={op_name="jit(step)/ga_optax_close_window/while/body/mul"}
+  %index = s32[] convert(%p2), metadata={op_name="jit(step)/ga_optax_close_window/cond/convert_element_type"}
   %copied = f32[1024]{0} copy(%hoisted)
   %not = pred[] not(%p2)
   %open_in = (pred[], f32[1024]{0}) tuple(%not, %copied)
@@ -186,6 +194,8 @@ SCAN = 4 * (256 * 4 * 2)  # 4 trips of exp: read and write 1 KiB each
 HOISTED = 3 * 4096  # the multiply: two operands and a result of 4 KiB
 COPY = 2 * 4096
 NOT = 2  # a pred in, a pred out
+# The closing side's index, a scalar of its scope outside it: not work.
+INDEX = 1 + 4
 OPEN = 3 * 4096  # add: two operands and a result
 CLOSE = 2 * 4096 + 2 * 4096  # the all-reduce, then the sqrt
 TRUE_BRANCH = 2 * 256  # negate of 64 floats
@@ -193,7 +203,7 @@ TRUE_BRANCH = 2 * 256  # negate of 64 floats
 
 def test_the_micro_step_path_runs_the_open_side_and_the_false_branch():
   audit = testing.path_audit(HLO, "micro_step")
-  assert audit.bytes_moved == SCAN + HOISTED + COPY + NOT + OPEN
+  assert audit.bytes_moved == SCAN + HOISTED + INDEX + COPY + NOT + OPEN
   assert audit.copies == [testing.Copy("main", "copied", 4096)]
   assert audit.collectives == []
   # The multiply came from the closing side and runs outside its loop.
@@ -203,7 +213,7 @@ def test_the_micro_step_path_runs_the_open_side_and_the_false_branch():
 def test_the_closing_path_runs_the_closing_side_and_the_true_branch():
   audit = testing.path_audit(HLO, "closing")
   assert audit.bytes_moved == (
-    SCAN + HOISTED + COPY + NOT + CLOSE + TRUE_BRANCH
+    SCAN + HOISTED + INDEX + COPY + NOT + CLOSE + TRUE_BRANCH
   )
   assert [c.name for c in audit.collectives] == ["reduced"]
   assert audit.misplaced_closing_work == ["hoisted"]
@@ -238,7 +248,7 @@ def test_compile_for_gpu_names_a_bad_argument():
 # What the loops mean for transformations of update.
 
 
-def test_update_has_forward_derivatives_and_refuses_reverse_ones():
+def test_update_has_forward_derivatives():
   tx = ga_optax.accumulate(optax.sgd(0.5), 2)
   params = {"w": jnp.ones(3)}
   _, state = tx.update({"w": jnp.arange(3.0)}, tx.init(params), params)
@@ -251,5 +261,3 @@ def test_update_has_forward_derivatives_and_refuses_reverse_ones():
   # -0.5 times the window's mean, (g_1 + g_2) / 2: its tangent is -0.25.
   np.testing.assert_allclose(updates, -0.5 * np.arange(3.0))
   np.testing.assert_allclose(derivative, np.full(3, -0.25))
-  with pytest.raises(ValueError, match="Reverse-mode differentiation"):
-    jax.grad(lambda grads: closing_updates(grads).sum())(grads)

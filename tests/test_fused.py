@@ -107,8 +107,11 @@ def _run_both(optimizer_name, every_k, calls, use_jit, **kwargs):
     actual = fused_step(*actual, grads, weight, flush)
     chex.assert_tree_all_finite(_comparable(reference))
     chex.assert_tree_all_finite(_comparable(actual))
+    # The params are of order 1: a few of their ulps (1.2e-7 each) apart,
+    # where the two paths' fusions round a difference of such numbers
+    # otherwise.
     chex.assert_trees_all_close(
-      _comparable(actual), _comparable(reference), rtol=1e-6, atol=1e-7
+      _comparable(actual), _comparable(reference), rtol=1e-6, atol=5e-7
     )
   return actual, reference
 

@@ -63,6 +63,8 @@ _NO_TRAFFIC = frozenset(
 # Instructions whose callees are part of the path (not fused or reducers).
 _CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start"})
 _COPY_OPCODES = frozenset({"copy", "copy-start"})
+# Bytes an instruction on scalars moves at most (a few 8-byte operands).
+_SCALAR_TRAFFIC = 64
 
 
 class Copy(NamedTuple):
@@ -90,9 +92,9 @@ class PathAudit(NamedTuple):
     collectives: the collectives the path runs (each listed once, however
       many trips its loop makes).
     misplaced_closing_work: instructions compiled from the window's closing
-      side that run on this path outside its loop (their names); on the
-      micro-step path, work every micro-step pays for a window that does
-      not close.
+      side that run on this path outside it (their names), scalar ones
+      left out; on the micro-step path, work every micro-step pays for a
+      window that does not close.
   """
 
   path: Path
@@ -117,7 +119,32 @@ def _trips(instruction: HloInstruction, path: Path) -> int:
 def _taken_branches(instruction: HloInstruction, path: Path) -> list[str]:
   if instruction.opcode != "conditional":
     return list(instruction.callees)
-  return [instruction.callees[0 if path == "micro_step" else -1]]
+  side = window_side(instruction)
+  if side is None:
+    closing = path == "closing"
+  else:
+    # A side of the window compiled as a conditional: its true branch is
+    # the side's body, taken on the path that runs the side.
+    closing = (side == run_once.CLOSE_WINDOW) == (path == "closing")
+  return [instruction.callees[-1 if closing else 0]]
+
+
+def _from_closing_side(module: HloModule, instruction: HloInstruction) -> bool:
+  """Whether an instruction holds work compiled from the closing side.
+
+  A fusion is named by its root; the closing side's work may be fused
+  under a root from elsewhere (a select that keeps its result), so the
+  fused instructions are read too.
+  """
+  if run_once.CLOSE_WINDOW in instruction.op_name.split("/"):
+    return True
+  if instruction.opcode != "fusion":
+    return False
+  return any(
+    _from_closing_side(module, fused)
+    for callee in instruction.callees
+    for fused in module.computations.get(callee, ())
+  )
 
 
 def as_module(program: Any) -> HloModule:
@@ -190,9 +217,9 @@ def path_audit(program: Any, path: Path) -> PathAudit:
       opcode = instruction.opcode
       if opcode in _CONTROL_FLOW:
         runs = _trips(instruction, path) if opcode == "while" else 1
-        closing_loop = window_side(instruction) == run_once.CLOSE_WINDOW
+        closing_side = window_side(instruction) == run_once.CLOSE_WINDOW
         for callee in _taken_branches(instruction, path):
-          walk(callee, trips * runs, in_closing_side or closing_loop)
+          walk(callee, trips * runs, in_closing_side or closing_side)
         continue
       if opcode in _NO_TRAFFIC or opcode.endswith("-done") or not trips:
         continue
@@ -212,8 +239,12 @@ def path_audit(program: Any, path: Path) -> PathAudit:
         collectives.append(
           Collective(computation, instruction.name, opcode, operand_bytes)
         )
-      scopes = instruction.op_name.split("/")
-      if run_once.CLOSE_WINDOW in scopes and not in_closing_side:
+      # Scalars (the side's own predicate, say) are not work worth moving.
+      if (
+        not in_closing_side
+        and moved > _SCALAR_TRAFFIC
+        and _from_closing_side(module, instruction)
+      ):
         misplaced.append(instruction.name)
 
   walk(module.entry, 1, False)
@@ -221,12 +252,12 @@ def path_audit(program: Any, path: Path) -> PathAudit:
 
 
 def window_sides(program: Any) -> dict[str, int]:
-  """How many loops of each window side ``program`` holds.
+  """How many loops (on the CPU, conditionals) of each window side it holds.
 
   Returns:
     ``{"keep_open": n, "close_window": m}``: a step built on one
     ``accumulate`` holds one of each (and, for a window whose weight is
-    known only after its reduction, a second closing loop inside the
+    known only after its reduction, a second closing side inside the
     first).
   """
   module = as_module(program)

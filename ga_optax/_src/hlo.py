@@ -298,18 +298,35 @@ def reachable(
   return seen
 
 
-def window_side(instruction: HloInstruction) -> str | None:
-  """Which side of a window a ``while`` is, from its scope; None if neither.
+_SIDE_OPS = {"while": "while", "conditional": "cond"}
 
-  Each side of ga_optax's window is a loop of at most one trip, a branch
-  rather than a loop, named by a scope of :mod:`ga_optax._src.run_once`.
+
+def window_side(instruction: HloInstruction) -> str | None:
+  """Which side of a window an instruction is, from its scope; None if neither.
+
+  Each side of ga_optax's window is a loop of at most one trip (a
+  conditional on the CPU), a branch rather than a loop, named by a scope of
+  :mod:`ga_optax._src.run_once`: its ``op_name`` ends in that scope and the
+  op, possibly through the platform choice (``cond/branch_N_fun``). Loops
+  and conditionals inside a side's body are not sides.
   """
-  if instruction.opcode != "while":
+  op = _SIDE_OPS.get(instruction.opcode)
+  if op is None:
     return None
   scopes = instruction.op_name.split("/")
-  for side in (run_once.KEEP_OPEN, run_once.CLOSE_WINDOW):
-    if side in scopes:
-      return side
+  found = [
+    index
+    for index, scope in enumerate(scopes)
+    if scope in (run_once.KEEP_OPEN, run_once.CLOSE_WINDOW)
+  ]
+  if not found:
+    return None
+  after = scopes[found[-1] + 1 :]
+  through_choice = (
+    len(after) == 3 and after[0] == "cond" and after[1].startswith("branch_")
+  )
+  if after == [op] or (through_choice and after[-1] == op):
+    return scopes[found[-1]]
   return None
 
 

@@ -1,5 +1,13 @@
 """A branch that XLA:GPU compiles without copies: a loop of at most one trip.
 
+On the CPU the branch is a ``lax.cond`` instead: XLA:CPU's copy insertion
+sees that a branch which hands its operands back needs no copy, and it
+splits the elementwise work of a conditional's branch over the cores, but
+not that of a loop body. ``lax.platform_dependent`` makes the choice when
+the step is lowered, for the platform it is compiled for (the window,
+:meth:`ga_optax._src.window.MicroStep.add_first`, also adds the gradient
+outside any branch there).
+
 A micro-step either keeps the window open or closes it. ``lax.cond`` is the
 obvious way to say so, and XLA:GPU compiles it badly: its copy insertion
 (without region analysis, the GPU default) copies every buffer a branch
@@ -59,21 +67,29 @@ def run_once_if(
     ``body(carry)`` or ``carry``.
   """
 
-  # The values the body closes over become explicit invariants, so that the
-  # body can pin their types too.
-  converted, invariants = jax.closure_convert(body, carry)
+  def as_loop(predicate: jax.Array, carry: Carry) -> Carry:
+    # The values the body closes over become explicit invariants, so that
+    # the body can pin their types too.
+    converted, invariants = jax.closure_convert(body, carry)
 
-  def once(state: tuple[jax.Array, Carry, Any]) -> tuple[jax.Array, Carry, Any]:
-    _, carried, read = state
-    carried, read = pin_types(carried), pin_types(read)
-    return jnp.zeros((), jnp.bool_), converted(carried, *read), read
+    def once(
+      state: tuple[jax.Array, Carry, Any],
+    ) -> tuple[jax.Array, Carry, Any]:
+      _, carried, read = state
+      carried, read = pin_types(carried), pin_types(read)
+      return jnp.zeros((), jnp.bool_), converted(carried, *read), read
+
+    return jax.lax.while_loop(
+      lambda state: state[0], once, (predicate, carry, invariants)
+    )[1]
+
+  def as_conditional(predicate: jax.Array, carry: Carry) -> Carry:
+    return jax.lax.cond(predicate, body, lambda carried: carried, carry)
 
   with jax.named_scope(name):
-    return jax.lax.while_loop(
-      lambda state: state[0],
-      once,
-      (jnp.asarray(predicate), carry, invariants),
-    )[1]
+    return jax.lax.platform_dependent(
+      jnp.asarray(predicate), carry, cpu=as_conditional, default=as_loop
+    )
 
 
 def pin_types(tree: Any) -> Any:

@@ -184,9 +184,10 @@ def accumulate(
   ``optimizer`` whenever one model's window closes. The results are
   unchanged, even for models whose windows are out of phase. Under ``jit``,
   ``pmap`` and ``jax.shard_map`` the predicate is a scalar and only one side
-  runs. ``update`` can be differentiated in forward mode (``jax.jvp``) but
-  not in reverse mode, as any ``lax.while_loop``. Called outside ``jit``,
-  ``update`` compiles once per shapes and dtypes.
+  runs. ``update`` can be differentiated in forward mode (``jax.jvp``);
+  reverse mode is not supported (a ``lax.while_loop`` has none, and on a
+  GPU each side is one). Called outside ``jit``, ``update`` compiles once
+  per shapes and dtypes.
 
   Args:
     optimizer: the optax transformation to apply once per window: a chain,

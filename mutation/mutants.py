@@ -858,6 +858,20 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_fp8.py::test_microbatched_value_and_grad_combines_the_fp8_state",
     ),
   ),
+  Mutant(
+    name="equivalence_helper_tolerates_ten_times_rtol",
+    guarantee="equivalence helpers (ga_optax.testing)",
+    defect="assert_equivalent_to_large_batch accepts a difference of up to"
+    " 10 x rtol",
+    edits=(
+      Edit(
+        "ga_optax/testing.py",
+        "  if not result.max_relative_difference <= rtol:",
+        "  if not result.max_relative_difference <= 10 * rtol:",
+      ),
+    ),
+    tests=("tests/test_testing.py::test_a_difference_just_above_rtol_fails",),
+  ),
   # The memory planner.
   Mutant(
     name="planner_drops_temporaries",

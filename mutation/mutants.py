@@ -244,16 +244,11 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         RUN_ONCE,
-        "    return jax.lax.while_loop(\n"
-        "      lambda state: state[0],\n"
-        "      once,\n"
-        "      (jnp.asarray(predicate), carry, invariants),\n"
-        "    )[1]\n",
-        "    return jax.lax.cond(\n"
-        "      predicate,\n"
-        "      lambda carried: converted(carried, *invariants),\n"
-        "      lambda carried: carried,\n"
-        "      carry,\n"
+        "    return jax.lax.platform_dependent(\n"
+        "      jnp.asarray(predicate), carry, cpu=as_conditional, default=as_loop\n"
+        "    )\n",
+        "    return jax.lax.platform_dependent(\n"
+        "      jnp.asarray(predicate), carry, default=as_conditional\n"
         "    )\n",
       ),
     ),
@@ -270,14 +265,12 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         RUN_ONCE,
-        "    return jax.lax.while_loop(\n"
-        "      lambda state: state[0],\n"
-        "      once,\n"
-        "      (jnp.asarray(predicate), carry, invariants),\n"
-        "    )[1]\n",
+        "    return jax.lax.platform_dependent(\n"
+        "      jnp.asarray(predicate), carry, cpu=as_conditional, default=as_loop\n"
+        "    )\n",
         "    return jax.tree.map(\n"
         "      lambda ran, kept: jnp.where(predicate, ran, kept),\n"
-        "      converted(carry, *invariants),\n"
+        "      body(carry),\n"
         "      carry,\n"
         "    )\n",
       ),

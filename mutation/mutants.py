@@ -305,18 +305,19 @@ MUTANTS: tuple[Mutant, ...] = (
   Mutant(
     name="loop_shardings_unpinned",
     guarantee="data parallel (the global mean under plain jit)",
-    defect="inside the window's loops no value is pinned to its type: the"
-    " partitioner takes the unreduced gradient for a whole one and reduces"
-    " it twice",
+    defect="inside the window's loops (on GPUs) no value is pinned to its"
+    " type: the partitioner takes the unreduced gradient for a whole one,"
+    " reduces it before the loop on every micro-step, and again after",
     edits=(
       Edit(
         RUN_ONCE,
-        "    carried, read = pin_types(carried), pin_types(read)\n",
+        "      carried, read = pin_types(carried), pin_types(read)\n",
         "",
       ),
     ),
     tests=(
-      "tests/test_plain_jit_mesh.py::test_accumulate_unreduced_matches_the_large_batch",
+      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[unreduced]",
+      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[unreduced_fused]",
     ),
   ),
   # Dtypes.

@@ -1,13 +1,5 @@
 """A branch that XLA:GPU compiles without copies: a loop of at most one trip.
 
-On the CPU the branch is a ``lax.cond`` instead: XLA:CPU's copy insertion
-sees that a branch which hands its operands back needs no copy, and it
-splits the elementwise work of a conditional's branch over the cores, but
-not that of a loop body. ``lax.platform_dependent`` makes the choice when
-the step is lowered, for the platform it is compiled for (the window,
-:meth:`ga_optax._src.window.MicroStep.add_first`, also adds the gradient
-outside any branch there).
-
 A micro-step either keeps the window open or closes it. ``lax.cond`` is the
 obvious way to say so, and XLA:GPU compiles it badly: its copy insertion
 (without region analysis, the GPU default) copies every buffer a branch
@@ -25,9 +17,19 @@ loop body JAX (0.10) leaves the carried and invariant values without the
 shardings their types give them on an Explicit mesh, and the partitioner
 then guesses: it reduced a partial sum typed ``unreduced`` a second time,
 and gathered a sharded optimizer state before the loop. The body pins each
-value to its type first. The loops are named (``jax.named_scope``): the compiled program's audits
-(:mod:`ga_optax._src.compiled_paths`) find them by these names and know
-which side a micro-step takes.
+value to its type first.
+
+On the CPU the branch is a ``lax.cond`` instead: XLA:CPU's copy insertion
+sees that a branch which hands its operands back needs no copy, and it
+splits the elementwise work of a conditional's branch over the cores, but
+not that of a loop body. ``lax.platform_dependent`` makes the choice when
+the step is lowered, for the platform it is compiled for (the window,
+:meth:`ga_optax._src.window.MicroStep.add_first`, also adds the gradient
+outside any branch there).
+
+Either way the branch is named (``jax.named_scope``): the compiled
+program's audits (:mod:`ga_optax._src.compiled_paths`) find it by its name
+and know which side a micro-step takes.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ only what it writes, in place, so a micro-step copies nothing on XLA:GPU;
 the first micro-step of a window overwrites the accumulator instead of
 adding, so no call spends a pass zeroing it; and the closing side adds the
 last gradient in the optimizer's own pass, so the accumulator is read once.
+On the CPU, where loop bodies run on one core, the gradient is added first
+and the closing side is a conditional (:meth:`MicroStep.add_first`).
 """
 
 from __future__ import annotations

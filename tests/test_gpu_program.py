@@ -171,7 +171,13 @@ DEVICES = 8
 
 
 def mesh_of(axis_type: AxisType) -> jax.sharding.Mesh:
-  return jax.make_mesh((DEVICES,), ("data",), axis_types=(axis_type,))
+  """A CPU mesh to build the arguments on, also where a GPU is the default."""
+  return jax.make_mesh(
+    (DEVICES,),
+    ("data",),
+    axis_types=(axis_type,),
+    devices=jax.devices("cpu")[:DEVICES],
+  )
 
 
 def unreduced_case(fused: bool, optimizer=None, **options):
@@ -381,8 +387,13 @@ def test_bytes_moved_meet_the_targets():
 # The planted controls: what the audits see in the windows they forbid.
 
 
-def test_a_conditional_window_copies_the_optimizer_state_on_every_micro_step():
-  """The structure of earlier releases: a lax.cond that forwards operands."""
+def test_a_conditional_window_copies_on_every_micro_step():
+  """The structure of earlier releases: a lax.cond that forwards operands.
+
+  jax 0.10.2's XLA:GPU copies both of Adam's moments there on every
+  micro-step; jax 0.11.2's, on a lent H100, copied one of them (its 1 MiB
+  weight matrix). Either is a copy the audit must see.
+  """
   optimizer = optax.adam(1e-3)
   params = params_of()
 
@@ -405,8 +416,8 @@ def test_a_conditional_window_copies_the_optimizer_state_on_every_micro_step():
   state = (jax.tree.map(jnp.zeros_like, params), optimizer.init(params))
   program = compiled(step, params, state, batch_of(), donate_argnums=(0, 1))
   micro_step = testing.path_audit(program, "micro_step")
-  moments = 2 * sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-  assert micro_step.copied_bytes(at_least=MiB) >= moments, micro_step.copies
+  weights = max(leaf.nbytes for leaf in jax.tree.leaves(params))
+  assert micro_step.copied_bytes(at_least=MiB) >= weights, micro_step.copies
 
 
 def test_a_window_turned_into_selects_runs_the_optimizer_every_time():

@@ -437,6 +437,10 @@ def test_micro_step_bytes_leave_out_what_lives_on_the_host():
 
 
 def test_the_plan_grows_when_the_state_leaves_the_device():
+  if jax.default_backend() != "cpu":
+    # On an H100 the device copies of a host state made the micro-step need
+    # more device bytes, and no plan fitted the budget (host-memory.md).
+    pytest.skip("the device copies of the state depend on the backend")
   params, batch = _planner_inputs()
   budget = ga_optax.micro_step_bytes(
     _loss_fn, params, batch, 4, optimizer=optax.adam(1e-3)
@@ -456,8 +460,6 @@ def test_the_plan_grows_when_the_state_leaves_the_device():
       {"accumulator_memory_kind": HOST, "inner_state_memory_kind": HOST},
     )
   ]
-  if jax.default_backend() != "cpu":
-    pytest.skip("the device copies of the state depend on the backend")
   assert plans[0].micro_batch_size == 4
   assert plans[1].micro_batch_size > plans[0].micro_batch_size
   assert plans[1].compiled_bytes <= budget

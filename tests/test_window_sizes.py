@@ -1,0 +1,67 @@
+"""benchmarks/window_sizes.py: its rows, and the form it says it times.
+
+Times are only checked to be there: on a shared CPU they say nothing. What
+is checked exactly is the program each row times: the conditional form
+really is the window without its loops, on the H100's program too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from benchmarks import window_sizes
+from benchmarks import workloads as workloads_lib
+from ga_optax import testing
+
+STEPS = [
+  "plain Adam",
+  "optax.MultiSteps",
+  "ga_optax.accumulate",
+  "ga_optax.accumulate (conditional form)",
+  "ga_optax.accumulate_and_apply",
+  "ga_optax.accumulate_and_apply (conditional form)",
+]
+
+
+def test_quick_run_times_every_step_and_writes_json(tmp_path, capsys):
+  output = tmp_path / "sizes.json"
+  rows = window_sizes.main(
+    ["--quick", "--rounds", "2", "--output", str(output)]
+  )
+  assert [row["step"] for row in rows] == STEPS
+  for row in rows:
+    assert math.isfinite(row["window_ms"]) and row["window_ms"] > 0, row
+    assert row["micro_step_moved_mib"] > 0, row
+  multi_steps = rows[STEPS.index("optax.MultiSteps")]
+  assert multi_steps["over_multi_steps"] == 1.0
+  assert json.loads(output.read_text())["rows"] == rows
+  assert "| 2 x 256^2 | 0.5 | ga_optax.accumulate |" in capsys.readouterr().out
+
+
+def test_the_conditional_form_holds_no_loop_on_the_h100():
+  workload = workloads_lib.mlp(256, 2, 8, window_sizes.EVERY_K)
+  step, state = window_sizes.contenders(workload)["ga_optax.accumulate"]
+  args = (workload.params, state, workload.microbatches[0])
+
+  def sides() -> dict[str, int]:
+    try:
+      program = testing.compile_for_gpu(
+        window_sizes.fresh(step), *args, donate_argnums=(0, 1)
+      )
+    except testing.GpuCompilerUnavailable as error:
+      if os.environ.get("CI"):
+        raise
+      pytest.skip(f"{error} Install 'jax[cuda13]' to run this test.")
+    return testing.window_sides(program)
+
+  assert sides() == {"keep_open": 1, "close_window": 1}
+  with window_sizes.conditional_form():
+    # XLA:GPU turns that form's conditional into selects (no side is left):
+    # the optimizer runs on every micro-step, as in optax.MultiSteps.
+    assert sides() == {"keep_open": 0, "close_window": 0}
+  # The platform choice is restored on the way out.
+  assert sides() == {"keep_open": 1, "close_window": 1}

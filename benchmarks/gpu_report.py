@@ -16,7 +16,8 @@ GPU says at the top that none of its figures is a GPU figure. In order:
 H100, which needs the CUDA plugin and, without a GPU, ``JAX_PLATFORMS=cpu``;
 ``compiled_here``: the same for the device at hand); then what needs a
 device: ``step_time``, ``in_step``, ``host_memory``, ``peak_memory`` (where
-the device has ``memory_stats()``) and ``largest_batch``.
+the device has ``memory_stats()``) and ``largest_batch``
+(``benchmarks/largest_batch.py``).
 """
 
 from __future__ import annotations
@@ -41,15 +42,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 import ga_optax  # noqa: E402
 from benchmarks import compiled as compiled_lib  # noqa: E402
 from benchmarks import host_memory as host_lib  # noqa: E402
+from benchmarks import largest_batch as largest_lib  # noqa: E402
 from benchmarks import run as run_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
 from ga_optax import testing  # noqa: E402
-from ga_optax._src import device_memory  # noqa: E402
 
 MIB = 2**20
 H100 = "XLA:GPU for a compile-only H100; nothing ran"
@@ -60,9 +60,6 @@ STEP_ROWS = (
   "ga_optax.accumulate_and_apply",
 )
 WARMUP = 1
-# A micro-step's memory does not grow with k: any k fits, and the effective
-# batch is quoted at this one.
-EFFECTIVE_K = 32
 Record = dict[str, Any]
 
 
@@ -285,94 +282,6 @@ def peak_memory_section(quick: bool) -> Record:
   }
 
 
-def largest_fitting(
-  bytes_at: Callable[[int], int], budget: int, max_rows: int
-) -> Record:
-  """Nearly the most rows whose bytes fit ``budget``, for bytes that grow
-  with the rows: doubles up to the first size that does not fit, then
-  bisects until the next size measured, which does not fit, is within 1%."""
-  measured: dict[int, int] = {}
-
-  def fits(rows: int) -> bool:
-    if rows not in measured:
-      measured[rows] = bytes_at(rows)
-    return measured[rows] <= budget
-
-  low, high = 0, 1
-  while high <= max_rows and fits(high):
-    low, high = high, 2 * high
-  high = min(high, max_rows + 1)
-  # Not to the row: on a GPU each compilation takes seconds.
-  while high - low > max(1, low // 128):
-    middle = (low + high) // 2
-    low, high = (middle, high) if fits(middle) else (low, middle)
-  return {
-    "rows": low or None,
-    "bytes": measured.get(low),
-    "next_rows": high if high in measured else None,
-    "next_bytes": measured.get(high),
-  }
-
-
-def memory_budget(args: argparse.Namespace) -> tuple[int, str]:
-  """The bytes a step may use, and where that figure comes from."""
-  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-  if args.memory_budget_mib is not None:
-    return int(args.memory_budget_mib * MIB), "--memory-budget-mib"
-  if limit:
-    share = args.memory_fraction
-    return int(limit * share), f"{share} x memory_stats()['bytes_limit']"
-  nominal = 4 if args.quick else 1024
-  return nominal * MIB, f"nominal {nominal} MiB: no memory limit reported"
-
-
-def largest_batch_section(args: argparse.Namespace) -> Record:
-  """The largest single batch, and accumulate micro-batch, that fit."""
-  workload = workloads_lib.mlp(*((128, 2) if args.quick else (2048, 4)), 8, 4)
-  params, example = workload.params, workload.microbatches[0]
-  budget, source = memory_budget(args)
-  step, init = host_lib._step_and_init(host_lib.CONFIGS[0], workload)
-  state, adam = init(params), optax.adam(host_lib.LEARNING_RATE)
-
-  def single_batch_bytes(rows: int) -> int:
-    batch = jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct((rows, *leaf.shape[1:]), leaf.dtype),
-      example,
-    )
-    compiled = step.lower(params, state, batch).compile()
-    return device_memory.device_bytes(compiled)
-
-  def micro_step_bytes(rows: int) -> int:
-    return ga_optax.micro_step_bytes(
-      workload.loss_fn, params, example, rows, optimizer=adam
-    )
-
-  max_rows = 2**16 if args.quick else 2**22
-  single = largest_fitting(single_batch_bytes, budget, max_rows)
-  micro = largest_fitting(micro_step_bytes, budget, max_rows)
-  effective = (micro["rows"] or 0) * EFFECTIVE_K
-  return {
-    "workload": workload.description,
-    "budget_bytes": budget,
-    "budget_source": source,
-    "largest": [
-      {"step": "plain Adam step", **single, "batch": single["rows"]},
-      {"step": "accumulate(adam)", **micro, "batch": effective},
-    ],
-    "effective_over_single": effective / (single["rows"] or 1),
-  }
-
-
-def largest_batch_lines(record: Record) -> list[str]:
-  caption = (
-    f"{record['workload']}; budget {cell('bytes', record['budget_bytes'])}"
-    f" ({record['budget_source']}). batch: the rows one update takes;"
-    f" accumulate's, k = {EFFECTIVE_K} micro-batches, is"
-    f" {record['effective_over_single']:.3g}x the largest single batch."
-  )
-  return table(record["largest"], caption)
-
-
 def sections(args: argparse.Namespace, report: Record) -> list[Section]:
   device = jax.devices()[0]
   here = f"{device.platform}: {device.device_kind} x {jax.device_count()}"
@@ -396,8 +305,11 @@ def sections(args: argparse.Namespace, report: Record) -> list[Section]:
               {name: record["figures"] for name, record in records.items()})),
     Section("peak_memory", here, lambda: peak_memory_section(quick),
             per_workload),
-    Section("largest_batch", here, lambda: largest_batch_section(args),
-            largest_batch_lines),
+    Section("largest_batch", here,
+            lambda: largest_lib.measure(*largest_lib.budget(
+              args.memory_budget_mib, args.memory_fraction, quick), quick),
+            lambda record: table(record["largest"],
+                                 largest_lib.caption(record))),
   ]  # fmt: skip
 
 

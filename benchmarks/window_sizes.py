@@ -41,9 +41,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 
-import ga_optax  # noqa: E402
 from benchmarks import compiled as compiled_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
 
@@ -78,31 +76,21 @@ def fresh(step: Callable[..., Any]) -> Callable[..., Any]:
   return lambda *args: step(*args)
 
 
+# benchmarks/compiled.py's steps that run one micro-batch per call.
+STEPS = (
+  "plain Adam",
+  "optax.MultiSteps",
+  "ga_optax.accumulate",
+  "ga_optax.accumulate_and_apply",
+)
+
+
 def contenders(
   workload: workloads_lib.Workload,
 ) -> dict[str, tuple[Callable[..., Any], Any]]:
   """Each contender as ``(step, state)``; a step maps (params, state, batch)."""
-  adam = optax.adam(1e-3)
-
-  def transformation(tx: optax.GradientTransformation):
-    def step(params, state, batch):
-      grads = jax.grad(workload.loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    return step, tx.init(workload.params)
-
-  fused = ga_optax.accumulate_and_apply(adam, EVERY_K)
-
-  def fused_step(params, state, batch):
-    return fused.apply(params, jax.grad(workload.loss_fn)(params, batch), state)
-
-  return {
-    "plain Adam": transformation(adam),
-    "optax.MultiSteps": transformation(optax.MultiSteps(adam, EVERY_K)),
-    "ga_optax.accumulate": transformation(ga_optax.accumulate(adam, EVERY_K)),
-    "ga_optax.accumulate_and_apply": (fused_step, fused.init(workload.params)),
-  }
+  steps = compiled_lib.steps(workload)
+  return {name: steps[name][:2] for name in STEPS}
 
 
 def window_ms(

@@ -853,6 +853,36 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="fp8_state_not_combined_across_devices",
+    guarantee="mixed precision (float8 state per call, inside shard_map)",
+    defect="with axis_name, a closing window's float8 state keeps this"
+    " device's amaxes instead of the max over every device",
+    edits=(
+      Edit(
+        "ga_optax/_src/fp8.py",
+        "    everywhere = across_devices(window, axis_name)\n",
+        "    everywhere = window\n",
+      ),
+    ),
+    tests=(
+      "tests/test_fp8.py::test_share_windows_across_devices_in_shard_map",
+    ),
+  ),
+  Mutant(
+    name="fp8_weight_not_summed_across_devices",
+    guarantee="mixed precision (float8 state per call, inside shard_map)",
+    defect="a closing window's float8 state divides by this device's weight"
+    " instead of the window's weight over every device",
+    edits=(
+      Edit(
+        "ga_optax/_src/fp8.py",
+        "    weight_sum = jax.lax.psum(weight_sum, axis_name)\n",
+        "",
+      ),
+    ),
+    tests=("tests/test_fp8.py::test_mean_windows_across_devices_in_shard_map",),
+  ),
+  Mutant(
     name="equivalence_helper_tolerates_ten_times_rtol",
     guarantee="equivalence helpers (ga_optax.testing)",
     defect="assert_equivalent_to_large_batch accepts a difference of up to"

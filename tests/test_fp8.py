@@ -261,6 +261,98 @@ def test_share_of_the_window_loss_is_the_large_batch(op_name):
     assert_close(state.params["params"], large.params["params"], atol=1e-6)
 
 
+def test_share_windows_across_devices_in_shard_map():
+  # Windows of 2 x 16 rows, 2 rows a device on 8 devices, inside shard_map:
+  # with axis_name the fp8 state a window leaves combines every device's
+  # rows, as the large batch's; without it each device keeps its own.
+  model = Mlp()
+  variables = warm_variables("Fp8DirectDotGeneralOp")
+  mesh = jax.make_mesh((8,), ("data",))
+  P = jax.sharding.PartitionSpec
+  tx = ga_optax.accumulate(
+    optax.adam(1e-2), 2, reduction="sum", axis_name="data"
+  )
+
+  def sharded_step(axis_name):
+    def step(state, batch):
+      grads = jax.grad(functools.partial(share_loss, model))(
+        state.params, batch, 32.0
+      )
+      return ga_optax.apply_gradients(state, grads, axis_name=axis_name)
+
+    return jax.jit(
+      jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+        check_vma=False,
+      )
+    )  # fmt: skip
+
+  combined, apart = sharded_step("data"), sharded_step(None)
+  large = train_state.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=optax.adam(1e-2)
+  )
+  state = accumulating_state(variables, tx)
+  rng = np.random.default_rng(15)
+  for _ in range(3):
+    batch = make_batch(rng, 32)
+    first, second = jax.device_put(
+      split(batch, (16, 16)), jax.sharding.NamedSharding(mesh, P("data"))
+    )
+    alone = apart(combined(state, first), second)
+    state = combined(combined(state, first), second)
+    large = large_batch_step(model)(large, batch)
+    assert bool(ga_optax.emitted(state.opt_state))
+    assert_close(state.params[FP8], large.params[FP8], rtol=1e-6, atol=0)
+    assert_close(state.params["params"], large.params["params"], atol=1e-6)
+    # Device 0's own rows only: its input amaxes fall short of the batch's.
+    own = leaves_named(alone.params[FP8], r"input_amax_history")
+    whole = leaves_named(large.params[FP8], r"input_amax_history")
+    assert any(float(own[k][0]) < float(whole[k][0]) for k in whole)
+
+
+def test_mean_windows_across_devices_in_shard_map():
+  # The mean recipe on 8 devices: 2 micro-batches of 16 rows, 2 rows a
+  # device each, each device's loss the mean over its 2 rows (weight 2).
+  # The closing state follows the rule over all 16 pieces, W = 32 in all.
+  model = Mlp()
+  variables = warm_variables("Fp8DirectDotGeneralOp")
+  mesh = jax.make_mesh((8,), ("data",))
+  P = jax.sharding.PartitionSpec
+  tx = ga_optax.accumulate(optax.sgd(0.1), 2, axis_name="data")
+
+  def step(state, batch):
+    grads = jax.grad(functools.partial(mean_loss, model))(state.params, batch)
+    return ga_optax.apply_gradients(state, grads, weight=2.0, axis_name="data")
+
+  sharded_step = jax.jit(
+    jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+      check_vma=False,
+    )
+  )  # fmt: skip
+  microbatches = split(make_batch(np.random.default_rng(16), 32), (16, 16))
+  state = accumulating_state(variables, tx)
+  for microbatch in microbatches:
+    state = sharded_step(
+      state,
+      jax.device_put(microbatch, jax.sharding.NamedSharding(mesh, P("data"))),
+    )
+  assert bool(ga_optax.emitted(state.opt_state))
+  pieces = [split(microbatch, [2] * 8) for microbatch in microbatches]
+  grads = [
+    reference_grad(model)(variables, piece)
+    for device_pieces in pieces
+    for piece in device_pieces
+  ]
+  expected_fp8 = combination_rule([g[FP8] for g in grads], [2] * 16, 32)
+  assert_close(state.params[FP8], expected_fp8, rtol=1e-6, atol=0)
+  mean_grad = weighted_mean([g["params"] for g in grads], [2] * 16)
+  expected_params = optax.apply_updates(
+    variables["params"], jax.tree.map(lambda g: -0.1 * g, mean_grad)
+  )
+  assert_close(state.params["params"], expected_params, atol=1e-6)
+
+
 def test_accumulate_gives_the_fp8_window_its_reduction():
   tx = ga_optax.accumulate(optax.sgd(0.1), 2, reduction="sum")
   window = find_state(tx.init(warm_variables("Fp8DirectDotGeneralOp")))

@@ -19,7 +19,9 @@ from ga_optax._src import fp8
 from ga_optax._src.state import AccumulateState, find_state
 
 
-def apply_gradients(state: Any, grads: Any, **update_kwargs: Any) -> Any:
+def apply_gradients(
+  state: Any, grads: Any, *, axis_name: Any = None, **update_kwargs: Any
+) -> Any:
   """``TrainState.apply_gradients`` that forwards ``weight=``/``flush=``.
 
   Runs ``state.tx.update(grads, state.opt_state, state.params,
@@ -54,6 +56,10 @@ def apply_gradients(state: Any, grads: Any, **update_kwargs: Any) -> Any:
     grads: gradients with the tree of ``state.params`` (for a model with
       float8 state, the gradient of the whole variables, the float8
       collection included).
+    axis_name: inside ``jax.shard_map``, the data-parallel axes of
+      ``accumulate(..., axis_name=...)``: a closing window's float8 state
+      then combines every device's micro-batches (without it, each device
+      keeps its own rows' amaxes). Unused without float8 state.
     **update_kwargs: passed to ``tx.update``: ``weight=`` (this micro-batch's
       weight, such as its token count), ``flush=``, or extra arguments of the
       wrapped optimizer.
@@ -105,6 +111,7 @@ def apply_gradients(state: Any, grads: Any, **update_kwargs: Any) -> Any:
       fp8_state,
       latest_fp8,
       update_kwargs.get("weight", 1),
+      axis_name,
     )
     opt_state = fp8.with_window(opt_state, window)
   return state.replace(

@@ -362,6 +362,7 @@ def micro_step(
   start: Any,
   latest: Any,
   weight: Any,
+  axis_name: Any = None,
 ) -> tuple[Fp8Window, Any]:
   """One ``update`` call's effect on the float8 state, read off the window.
 
@@ -373,6 +374,10 @@ def micro_step(
       computed with).
     latest: the micro-batch's new float8 state.
     weight: the call's ``weight=``.
+    axis_name: inside ``jax.shard_map``, the data-parallel axes: the state
+      a closing window leaves combines every device's micro-batches (a
+      ``pmax`` of the combination, a few amax histories, and a ``psum`` of
+      the weight, on every call).
 
   Returns:
     ``(window, fp8_state)``: the running combination to keep in the state,
@@ -392,7 +397,11 @@ def micro_step(
     restart=before.micro_step == 0,
   )
   weight_sum = before.weight_sum + jnp.where(accepted, weight, 0)
-  closed = close(window, start, weight_sum)
+  everywhere = window
+  if axis_name is not None:
+    everywhere = across_devices(window, axis_name)
+    weight_sum = jax.lax.psum(weight_sum, axis_name)
+  closed = close(everywhere, start, weight_sum)
   fp8_state = jax.tree.map(
     lambda new, old: jnp.where(after.emitted, new, old), closed, start
   )

@@ -353,6 +353,25 @@ def test_mean_windows_across_devices_in_shard_map():
   assert_close(state.params["params"], expected_params, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", ["update", "accumulate_and_apply"])
+def test_fp8_state_given_as_gradients_is_refused_with_the_recipe(path):
+  model = Mlp()
+  variables = warm_variables("Fp8DirectDotGeneralOp")
+  grads = reference_grad(model)(
+    variables, make_batch(np.random.default_rng(17), 8)
+  )
+  if path == "update":
+    tx = ga_optax.accumulate(optax.sgd(0.1), 2)
+    call = functools.partial(tx.update, grads, tx.init(variables), variables)
+  else:
+    fused = ga_optax.accumulate_and_apply(optax.sgd(0.1), 2)
+    call = functools.partial(
+      fused.apply, variables, grads, fused.init(variables)
+    )
+  with pytest.raises(ValueError, match=r"never summed.*apply_gradients"):
+    call()
+
+
 def test_accumulate_gives_the_fp8_window_its_reduction():
   tx = ga_optax.accumulate(optax.sgd(0.1), 2, reduction="sum")
   window = find_state(tx.init(warm_variables("Fp8DirectDotGeneralOp")))

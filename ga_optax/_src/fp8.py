@@ -108,6 +108,23 @@ def split_variables(variables: Any) -> tuple[Any, Any]:
   return variables, None
 
 
+def refuse_as_gradients(grads: Any) -> None:
+  """Raises where ``grads`` hold Flax's float8 state, which is not summed.
+
+  Raises:
+    ValueError: ``grads`` hold the ``_overwrite_with_gradient`` collection.
+  """
+  if split_variables(grads)[1] is not None:
+    raise ValueError(
+      f"grads hold Flax's float8 state (the {OVERWRITE_WITH_GRADIENT!r}"
+      " collection), which is combined by a max, never summed: step a float8"
+      " model with ga_optax.apply_gradients(state, grads) around accumulate,"
+      " or differentiate it with microbatched_value_and_grad."
+      " accumulate_and_apply and tx.update take the gradients of"
+      " variables['params'] alone."
+    )
+
+
 def join_variables(variables: Any, params: Any, fp8_state: Any) -> Any:
   """``variables`` with new ``params`` and float8 state, its other parts kept.
 

@@ -173,6 +173,7 @@ class Window:
     state = check_state(state)
     self.accumulator_home.check_kept(state.accumulator)
     self.inner_state_home.check_kept(state.inner_state)
+    fp8.refuse_as_gradients(grads)
     validation.check_grads_match(
       grads, state.accumulator, self.parallel.unreduced_axes
     )

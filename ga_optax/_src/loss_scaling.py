@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from ga_optax._src import validation
+from ga_optax._src.state import find_one
 from ga_optax._src.window import increment_if
 
 
@@ -336,19 +337,7 @@ def find_loss_scale_state(state: Any) -> DynamicLossScaleState:
   Raises:
     ValueError: ``state`` holds none, or several.
   """
-  found = [
-    node
-    for node in jax.tree.leaves(
-      state, is_leaf=lambda node: isinstance(node, DynamicLossScaleState)
-    )
-    if isinstance(node, DynamicLossScaleState)
-  ]
-  if len(found) != 1:
-    raise ValueError(
-      "state must hold exactly one DynamicLossScaleState (the state of"
-      f" ga_optax.dynamic_loss_scale), found {len(found)}."
-    )
-  return found[0]
+  return find_one(state, DynamicLossScaleState, "ga_optax.dynamic_loss_scale")
 
 
 def loss_scale(state: Any) -> jax.Array:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +33,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax.training import train_state
+from gpu_compiler import compiled_for_gpu
 
 import ga_optax
 from ga_optax import testing
@@ -777,15 +777,7 @@ def test_h100_program_of_the_fp8_step_holds_fp8_gemms():
     grads = jax.grad(functools.partial(mean_loss, model))(state.params, batch)
     return ga_optax.apply_gradients(state, grads, weight=64)
 
-  try:
-    compiled = testing.compile_for_gpu(step, state, batch, donate_argnums=(0,))
-  except testing.GpuCompilerUnavailable as error:
-    if os.environ.get("CI"):
-      raise
-    pytest.skip(
-      f"{error} To run this test: pip install 'jax[cuda13]' and run pytest"
-      " with JAX_PLATFORMS=cpu (tests/conftest.py sets it)."
-    )
+  compiled = compiled_for_gpu(step, state, batch, donate_argnums=(0,))
   gemms = fp8_gemms(compiled.as_text())
   # Forward: input x kernel, e4m3 x e4m3, in each of the 3 layers. Backward:
   # the output gradient (e5m2) times the kernel for the 2 upper layers'

@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import pathlib
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from gpu_compiler import compiled_for_gpu
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -50,19 +49,6 @@ WIDTH = 512
 # Scalars (a loss, a weight, a finiteness flag) may cross devices on a
 # micro-step; nothing of a parameter's size may.
 SCALAR_BYTES = 64
-
-
-def compiled(step: Callable[..., Any], *args: Any, **options: Any) -> Any:
-  """``step`` compiled by XLA:GPU for H100s, or skipped where it cannot be."""
-  try:
-    return testing.compile_for_gpu(step, *args, **options)
-  except testing.GpuCompilerUnavailable as error:
-    if os.environ.get("CI"):
-      raise
-    pytest.skip(
-      f"{error} To run these tests: pip install 'jax[cuda13]' and run"
-      " pytest with JAX_PLATFORMS=cpu (tests/conftest.py sets it)."
-    )
 
 
 def params_of(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
@@ -161,7 +147,7 @@ def assert_the_window_keeps_its_promises(program: Any) -> None:
 @pytest.mark.parametrize("case", sorted(ONE_GPU))
 def test_one_gpu(case):
   step, args = ONE_GPU[case]()
-  program = compiled(step, *args, donate_argnums=(0, 1))
+  program = compiled_for_gpu(step, *args, donate_argnums=(0, 1))
   assert_the_window_keeps_its_promises(program)
 
 
@@ -318,7 +304,9 @@ def assert_one_reduction_when_closing(
 def test_eight_gpus_under_plain_jit(case):
   with jax.set_mesh(mesh_of(AxisType.Explicit)):
     step, args = EXPLICIT_CASES[case]()
-    program = compiled(step, *args, num_devices=8, donate_argnums=(0, 1))
+    program = compiled_for_gpu(
+      step, *args, num_devices=8, donate_argnums=(0, 1)
+    )
   assert_the_window_keeps_its_promises(program)
   assert_one_reduction_when_closing(
     program, args[1], zero=case.startswith("zero1")
@@ -329,7 +317,9 @@ def test_eight_gpus_under_plain_jit(case):
 def test_eight_gpus_under_shard_map(case):
   with jax.set_mesh(mesh_of(AxisType.Explicit)):
     step, args = SHARD_MAP_CASES[case]()
-    program = compiled(step, *args, num_devices=8, donate_argnums=(0, 1))
+    program = compiled_for_gpu(
+      step, *args, num_devices=8, donate_argnums=(0, 1)
+    )
   assert_the_window_keeps_its_promises(program)
   if case.endswith("check_vma_False"):
     assert_one_reduction_when_closing(program, args[1], zero=False)
@@ -368,7 +358,9 @@ def test_bytes_moved_meet_the_targets():
   workload = benchmark.workloads_lib.mlp(1024, 4, 8, 4)
   records = {
     name: benchmark.audit(
-      compiled(step, workload.params, state, batch, donate_argnums=(0, 1))
+      compiled_for_gpu(
+        step, workload.params, state, batch, donate_argnums=(0, 1)
+      )
     )
     for name, (step, state, batch) in benchmark.steps(workload).items()
   }
@@ -414,7 +406,9 @@ def test_a_conditional_window_copies_on_every_micro_step():
     return optax.apply_updates(params, updates), (updates, inner_state)
 
   state = (jax.tree.map(jnp.zeros_like, params), optimizer.init(params))
-  program = compiled(step, params, state, batch_of(), donate_argnums=(0, 1))
+  program = compiled_for_gpu(
+    step, params, state, batch_of(), donate_argnums=(0, 1)
+  )
   micro_step = testing.path_audit(program, "micro_step")
   weights = max(leaf.nbytes for leaf in jax.tree.leaves(params))
   assert micro_step.copied_bytes(at_least=MiB) >= weights, micro_step.copies
@@ -445,7 +439,7 @@ def test_a_window_turned_into_selects_runs_the_optimizer_every_time():
     )
     return optax.apply_updates(params, updates), inner_state
 
-  program = compiled(
+  program = compiled_for_gpu(
     step, params, optimizer.init(params), batch_of(), donate_argnums=(0, 1)
   )
   micro_step = testing.path_audit(program, "micro_step")

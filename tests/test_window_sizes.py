@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
-import pytest
+from gpu_compiler import compiled_for_gpu
 
 from benchmarks import window_sizes
 from benchmarks import workloads as workloads_lib
@@ -48,14 +47,9 @@ def test_the_conditional_form_holds_no_loop_on_the_h100():
   args = (workload.params, state, workload.microbatches[0])
 
   def sides() -> dict[str, int]:
-    try:
-      program = testing.compile_for_gpu(
-        window_sizes.fresh(step), *args, donate_argnums=(0, 1)
-      )
-    except testing.GpuCompilerUnavailable as error:
-      if os.environ.get("CI"):
-        raise
-      pytest.skip(f"{error} Install 'jax[cuda13]' to run this test.")
+    program = compiled_for_gpu(
+      window_sizes.fresh(step), *args, donate_argnums=(0, 1)
+    )
     return testing.window_sides(program)
 
   assert sides() == {"keep_open": 1, "close_window": 1}

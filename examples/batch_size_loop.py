@@ -38,7 +38,6 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
-from flax import nnx
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
@@ -47,9 +46,12 @@ import ga_optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_token_weighting import (
   HELD_OUT_SEQUENCES,
-  TransformerLM,
+  MODEL_SIZES,
+  add_preset_options,
   count_real_tokens,
+  fill_from_preset,
   make_loss,
+  split_model,
   text_sequences,
 )
 
@@ -203,9 +205,17 @@ def plot(traces: dict[str, Trace], tokens_per_micro_batch: float, path: Path):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--preset", choices=tuple(PRESETS), default="cpu")
-  for key in PRESETS["cpu"]:
-    parser.add_argument(f"--{key.replace('_', '-')}", type=int)
+  add_preset_options(
+    parser,
+    PRESETS,
+    {
+      "micro_batches": "micro-batches in the budget of every run",
+      "micro_batch_size": "sequences per micro-batch",
+      **MODEL_SIZES,
+      "eval_every": "micro-batches between held-out evaluations",
+    },
+    cpu_time="about a minute",
+  )
   parser.add_argument("--small-k", type=int, default=2)
   parser.add_argument("--large-k", type=int, default=16)
   parser.add_argument("--learning-rate", type=float, default=1e-3)
@@ -213,9 +223,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
   parser.add_argument("--no-progress", dest="progress", action="store_false")
   args = parser.parse_args(argv)
-  for key, value in PRESETS[args.preset].items():
-    if getattr(args, key) is None:
-      setattr(args, key, value)
+  fill_from_preset(args, PRESETS)
   return args
 
 
@@ -234,14 +242,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   tokens_per_micro_batch = float(
     np.mean([int(count_real_tokens(batch)) for batch in micro_batches])
   )
-  model = TransformerLM(
-    max_len=args.max_len + 1,
-    dim=args.dim,
-    num_heads=args.num_heads,
-    num_layers=args.num_layers,
-    rngs=nnx.Rngs(args.seed),
-  )
-  graphdef, initial_params = nnx.split(model)
+  graphdef, initial_params = split_model(args, args.max_len + 1)
   loss = make_loss(graphdef)
   traces = {
     name: train(tx, initial_params, loss, micro_batches, held_out, args, name)

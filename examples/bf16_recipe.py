@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
@@ -51,11 +50,14 @@ import ga_optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_token_weighting import (
-  TransformerLM,
+  MODEL_SIZES,
+  add_preset_options,
   count_real_tokens,
+  fill_from_preset,
   load_text,
   make_loss,
   relative_distance,
+  split_model,
 )
 
 DEFAULT_OUTPUT_DIR = Path("ga_optax_output", "bf16_recipe")
@@ -315,29 +317,18 @@ def plot(curves: dict[str, Curves], eval_windows: list[int], path: Path):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--preset",
-    choices=tuple(PRESETS),
-    default="cpu",
-    help="the sizes below: a minute or two on a CPU (default), or a longer"
-    " run of a larger model for a GPU; an option given overrides its preset",
+  add_preset_options(
+    parser,
+    PRESETS,
+    {
+      "steps": "windows, one optimizer update each",
+      "batch_size": "sequences per window",
+      "every_k": "micro-batches per window",
+      **MODEL_SIZES,
+      "eval_every": "windows between held-out evaluations",
+    },
+    cpu_time="a minute or two",
   )
-
-  def sized(flag: str, what: str) -> None:
-    key = flag.removeprefix("--").replace("-", "_")
-    cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
-    parser.add_argument(
-      flag, type=int, help=f"{what} (cpu preset: {cpu}, gpu preset: {gpu})"
-    )
-
-  sized("--steps", "windows, one optimizer update each")
-  sized("--batch-size", "sequences per window")
-  sized("--every-k", "micro-batches per window")
-  sized("--max-len", "most bytes of text per sequence")
-  sized("--dim", "model width")
-  sized("--num-heads", "attention heads")
-  sized("--num-layers", "Transformer blocks")
-  sized("--eval-every", "windows between held-out evaluations")
   parser.add_argument(
     "--learning-rate",
     type=float,
@@ -370,9 +361,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="hide the progress bar",
   )
   args = parser.parse_args(argv)
-  for key, value in PRESETS[args.preset].items():
-    if getattr(args, key) is None:
-      setattr(args, key, value)
+  fill_from_preset(args, PRESETS)
   if REFERENCE not in args.runs:
     parser.error(
       f"--runs must include {REFERENCE}, the run the drift is measured from."
@@ -405,14 +394,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     f" {args.every_k} micro-batches, token-weighted; AdamW, peak learning"
     f" rate {args.learning_rate:g}"
   )
-  model = TransformerLM(
-    max_len=held_out.shape[1] - 1,
-    dim=args.dim,
-    num_heads=args.num_heads,
-    num_layers=args.num_layers,
-    rngs=nnx.Rngs(args.seed),
-  )
-  graphdef, initial_params = nnx.split(model)
+  graphdef, initial_params = split_model(args, held_out.shape[1] - 1)
   loss = make_loss(graphdef)
   runs = {name: make_run(loss, RUNS[name], args) for name in args.runs}
   eval_windows = [*range(0, args.steps, args.eval_every), args.steps]

@@ -91,6 +91,13 @@ PRESETS: dict[str, dict[str, int]] = {
     "num_layers": 4,
   },
 }
+# The model's sizes, each an option: what it counts.
+MODEL_SIZES = {
+  "max_len": "most bytes of text per sequence",
+  "dim": "model width",
+  "num_heads": "attention heads",
+  "num_layers": "Transformer blocks",
+}
 LEARNING_RATES = {"adam": 3e-3, "sgd": 0.3}
 HELD_OUT_SEQUENCES = 256
 
@@ -342,30 +349,68 @@ def plot(
   figure.savefig(path, dpi=120)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_preset_options(
+  parser: argparse.ArgumentParser,
+  presets: dict[str, dict[str, int]],
+  sizes: dict[str, str],
+  cpu_time: str,
+) -> None:
+  """``--preset``, and an option for each size it sets (``sizes``: the
+  size's key and what it counts), left None to take the preset's value
+  (:func:`fill_from_preset`)."""
   parser.add_argument(
     "--preset",
-    choices=tuple(PRESETS),
+    choices=tuple(presets),
     default="cpu",
-    help="the sizes below: about a minute on a CPU (default), or a longer"
+    help=f"the sizes below: {cpu_time} on a CPU (default), or a longer"
     " run of a larger model for a GPU; an option given overrides its preset",
   )
-
-  def sized(flag: str, what: str) -> None:
-    key = flag.removeprefix("--").replace("-", "_")
-    cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
+  for key, what in sizes.items():
+    cpu, gpu = presets["cpu"][key], presets["gpu"][key]
     parser.add_argument(
-      flag, type=int, help=f"{what} (cpu preset: {cpu}, gpu preset: {gpu})"
+      f"--{key.replace('_', '-')}",
+      type=int,
+      help=f"{what} (cpu preset: {cpu}, gpu preset: {gpu})",
     )
 
-  sized("--steps", "optimizer updates")
-  sized("--batch-size", "sequences per update")
-  sized("--every-k", "micro-batches per update")
-  sized("--max-len", "most bytes of text per sequence")
-  sized("--dim", "model width")
-  sized("--num-heads", "attention heads")
-  sized("--num-layers", "Transformer blocks")
+
+def fill_from_preset(
+  args: argparse.Namespace, presets: dict[str, dict[str, int]]
+) -> None:
+  """Each size not given on the command line, from the chosen preset."""
+  for key, value in presets[args.preset].items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+
+
+def split_model(
+  args: argparse.Namespace, max_len: int
+) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model of ``args``' sizes, seeded by ``--seed``, split into its graph
+  and its initial params."""
+  model = TransformerLM(
+    max_len=max_len,
+    dim=args.dim,
+    num_heads=args.num_heads,
+    num_layers=args.num_layers,
+    rngs=nnx.Rngs(args.seed),
+  )
+  return nnx.split(model)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_preset_options(
+    parser,
+    PRESETS,
+    {
+      "steps": "optimizer updates",
+      "batch_size": "sequences per update",
+      "every_k": "micro-batches per update",
+      **MODEL_SIZES,
+    },
+    cpu_time="about a minute",
+  )
   parser.add_argument(
     "--optimizer",
     choices=tuple(LEARNING_RATES),
@@ -395,9 +440,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="hide the progress bar",
   )
   args = parser.parse_args(argv)
-  for key, value in PRESETS[args.preset].items():
-    if getattr(args, key) is None:
-      setattr(args, key, value)
+  fill_from_preset(args, PRESETS)
   if args.learning_rate is None:
     args.learning_rate = LEARNING_RATES[args.optimizer]
   if args.batch_size % args.every_k:
@@ -491,14 +534,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     f" {micro_counts.max()} (mean {micro_counts.mean():.0f})"
   )
 
-  model = TransformerLM(
-    max_len=held_out.shape[1] - 1,
-    dim=args.dim,
-    num_heads=args.num_heads,
-    num_layers=args.num_layers,
-    rngs=nnx.Rngs(args.seed),
-  )
-  graphdef, initial_params = nnx.split(model)
+  graphdef, initial_params = split_model(args, held_out.shape[1] - 1)
   loss = make_loss(graphdef)
   naive_run, weighted_run = accumulate_runs(loss, args)
   runs = {

@@ -22,10 +22,15 @@ value to its type first.
 On the CPU the branch is a ``lax.cond`` instead: XLA:CPU's copy insertion
 sees that a branch which hands its operands back needs no copy, and it
 splits the elementwise work of a conditional's branch over the cores, but
-not that of a loop body. ``lax.platform_dependent`` makes the choice when
-the step is lowered, for the platform it is compiled for (the window,
-:meth:`ga_optax._src.window.MicroStep.add_first`, also adds the gradient
-outside any branch there).
+not that of a loop body. :mod:`ga_optax._src.window_form` makes that
+choice, in one place for the whole window (which on the CPU also adds the
+gradient outside any branch: :meth:`ga_optax._src.window.MicroStep.add_first`).
+
+A loop has no reverse-mode derivative, the conditional has one, and both
+compute the same function: the branch's derivative rule
+(``jax.custom_jvp``) is the conditional's, so ``jax.grad`` through a window
+works under ``jax.jit`` in either form, while a step that is not
+differentiated keeps its loops.
 
 Either way the branch is named (``jax.named_scope``): the compiled
 program's audits (:mod:`ga_optax._src.compiled_paths`) find it by its name
@@ -34,12 +39,15 @@ and know which side a micro-step takes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
+
+from ga_optax._src import window_form
 
 Carry = TypeVar("Carry")
 
@@ -68,30 +76,69 @@ def run_once_if(
   Returns:
     ``body(carry)`` or ``carry``.
   """
-
-  def as_loop(predicate: jax.Array, carry: Carry) -> Carry:
-    # The values the body closes over become explicit invariants, so that
-    # the body can pin their types too.
-    converted, invariants = jax.closure_convert(body, carry)
-
-    def once(
-      state: tuple[jax.Array, Carry, Any],
-    ) -> tuple[jax.Array, Carry, Any]:
-      _, carried, read = state
-      carried, read = pin_types(carried), pin_types(read)
-      return jnp.zeros((), jnp.bool_), converted(carried, *read), read
-
-    return jax.lax.while_loop(
-      lambda state: state[0], once, (predicate, carry, invariants)
-    )[1]
-
-  def as_conditional(predicate: jax.Array, carry: Carry) -> Carry:
-    return jax.lax.cond(predicate, body, lambda carried: carried, carry)
-
+  # The values the body closes over become explicit invariants, so that a
+  # loop's body can pin their types, and derivatives can flow through them.
+  converted, invariants = jax.closure_convert(body, carry)
   with jax.named_scope(name):
-    return jax.lax.platform_dependent(
-      jnp.asarray(predicate), carry, cpu=as_conditional, default=as_loop
-    )
+    return _run_once(converted, jnp.asarray(predicate), carry, invariants)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _run_once(
+  body: Callable[..., Carry],
+  predicate: jax.Array,
+  carry: Carry,
+  invariants: Sequence[Any],
+) -> Carry:
+  """The branch in the form :mod:`ga_optax._src.window_form` chooses."""
+  return window_form.choose(
+    predicate,
+    carry,
+    invariants,
+    loops=functools.partial(_as_loop, body),
+    conditional=functools.partial(_as_conditional, body),
+  )
+
+
+@_run_once.defjvp
+def _run_once_jvp(
+  body: Callable[..., Carry], primals: Any, tangents: Any
+) -> tuple[Carry, Carry]:
+  # A while loop has no transpose, so reverse mode cannot go through the
+  # loops; the conditional computes the same function and has one. A step
+  # that is not differentiated still runs the loops.
+  return jax.jvp(functools.partial(_as_conditional, body), primals, tangents)
+
+
+def _as_loop(
+  body: Callable[..., Carry],
+  predicate: jax.Array,
+  carry: Carry,
+  invariants: Sequence[Any],
+) -> Carry:
+  def once(state: tuple[jax.Array, Carry, Any]) -> tuple[jax.Array, Carry, Any]:
+    _, carried, read = state
+    carried, read = pin_types(carried), pin_types(read)
+    return jnp.zeros((), jnp.bool_), body(carried, *read), read
+
+  return jax.lax.while_loop(
+    lambda state: state[0], once, (predicate, carry, tuple(invariants))
+  )[1]
+
+
+def _as_conditional(
+  body: Callable[..., Carry],
+  predicate: jax.Array,
+  carry: Carry,
+  invariants: Sequence[Any],
+) -> Carry:
+  return jax.lax.cond(
+    predicate,
+    lambda carried, read: body(carried, *read),
+    lambda carried, read: carried,
+    carry,
+    tuple(invariants),
+  )
 
 
 def pin_types(tree: Any) -> Any:

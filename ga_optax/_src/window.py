@@ -21,7 +21,8 @@ the first micro-step of a window overwrites the accumulator instead of
 adding, so no call spends a pass zeroing it; and the closing side adds the
 last gradient in the optimizer's own pass, so the accumulator is read once.
 On the CPU, where loop bodies run on one core, the gradient is added first
-and the closing side is a conditional (:meth:`MicroStep.add_first`).
+and the closing side is a conditional (:meth:`MicroStep.add_first`); the
+choice of form is made in :mod:`ga_optax._src.window_form`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ga_optax._src import (
   residency,
   run_once,
   validation,
+  window_form,
 )
 from ga_optax._src.noise_scale import Measured, Unmeasured
 from ga_optax._src.output import ApplyToParams, EmitUpdates
@@ -194,8 +196,10 @@ class Window:
       extra_args,
       accumulator=residency.to_device_after(state.accumulator, grads),
     )
-    accumulator, closed = jax.lax.platform_dependent(
-      decision.steps, cpu=micro_step.add_first, default=micro_step.folded
+    accumulator, closed = window_form.choose(
+      decision.steps,
+      conditional=micro_step.add_first,
+      loops=micro_step.folded,
     )
     output = closed[micro_step.carrier]
     new_state = AccumulateState(

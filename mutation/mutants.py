@@ -31,13 +31,19 @@ class Edit(NamedTuple):
 
 
 class Mutant(NamedTuple):
-  """A defect, the guarantee it breaks, and the tests that must catch it."""
+  """A defect, the guarantee it breaks, and the tests that must catch it.
+
+  ``window_form`` pins the window's form while the tests run
+  (``GA_OPTAX_WINDOW_FORM``, see ga_optax/_src/window_form.py): a defect in
+  code that only the loops run is executed on the CPU under ``"loops"``.
+  """
 
   name: str
   guarantee: str
   defect: str
   edits: tuple[Edit, ...]
   tests: tuple[str, ...]
+  window_form: str | None = None
 
 
 WINDOW = "ga_optax/_src/window.py"
@@ -244,12 +250,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         RUN_ONCE,
-        "    return jax.lax.platform_dependent(\n"
-        "      jnp.asarray(predicate), carry, cpu=as_conditional, default=as_loop\n"
-        "    )\n",
-        "    return jax.lax.platform_dependent(\n"
-        "      jnp.asarray(predicate), carry, default=as_conditional\n"
-        "    )\n",
+        "    loops=functools.partial(_as_loop, body),\n",
+        "    loops=functools.partial(_as_conditional, body),\n",
       ),
     ),
     tests=(
@@ -265,14 +267,18 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         RUN_ONCE,
-        "    return jax.lax.platform_dependent(\n"
-        "      jnp.asarray(predicate), carry, cpu=as_conditional, default=as_loop\n"
-        "    )\n",
-        "    return jax.tree.map(\n"
-        "      lambda ran, kept: jnp.where(predicate, ran, kept),\n"
-        "      body(carry),\n"
-        "      carry,\n"
-        "    )\n",
+        "  return window_form.choose(\n"
+        "    predicate,\n"
+        "    carry,\n"
+        "    invariants,\n"
+        "    loops=functools.partial(_as_loop, body),\n"
+        "    conditional=functools.partial(_as_conditional, body),\n"
+        "  )\n",
+        "  return jax.tree.map(\n"
+        "    lambda ran, kept: jnp.where(predicate, ran, kept),\n"
+        "    body(carry, *invariants),\n"
+        "    carry,\n"
+        "  )\n",
       ),
     ),
     tests=(
@@ -311,7 +317,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         RUN_ONCE,
-        "      carried, read = pin_types(carried), pin_types(read)\n",
+        "    carried, read = pin_types(carried), pin_types(read)\n",
         "",
       ),
     ),

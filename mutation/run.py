@@ -109,9 +109,17 @@ def run_tests(
   changed: Sequence[str],
   timeout: int,
   first_failure: bool = False,
+  window_form: str | None = None,
 ) -> tuple[int, str]:
-  """Runs pytest on ``tests`` in the copy at ``root``; (exit code, output)."""
+  """Runs pytest on ``tests`` in the copy at ``root``; (exit code, output).
+
+  ``window_form`` pins the window's form (``GA_OPTAX_WINDOW_FORM``); None
+  leaves the choice to the platform, whatever the caller's environment says.
+  """
   env = dict(os.environ)
+  env.pop("GA_OPTAX_WINDOW_FORM", None)
+  if window_form is not None:
+    env["GA_OPTAX_WINDOW_FORM"] = window_form
   env["PYTHONPATH"] = os.pathsep.join([str(root), str(HARNESS)])
   env["GA_OPTAX_MUTANT_ROOT"] = str(root)
   env["GA_OPTAX_MUTANT_FILES"] = os.pathsep.join(changed)
@@ -171,7 +179,14 @@ def run_mutant(
     if mutant is not None:
       apply_edits(mutant, root)
       changed = sorted({edit.path for edit in mutant.edits})
-    code, output = run_tests(root, tests, changed, timeout, first_failure)
+    code, output = run_tests(
+      root,
+      tests,
+      changed,
+      timeout,
+      first_failure,
+      window_form=mutant.window_form if mutant else None,
+    )
   seconds = time.perf_counter() - start
   # 1: some test failed. 0: all passed. Anything else (collection error,
   # usage error from the import guard, timeout) is not a verdict.
@@ -184,6 +199,8 @@ def describe(mutant: Mutant) -> str:
   lines = [f"{mutant.name}  [{mutant.guarantee}]", f"  {mutant.defect}"]
   lines += [f"  edits {edit.path}" for edit in mutant.edits]
   lines += [f"  test  {test}" for test in mutant.tests]
+  if mutant.window_form:
+    lines.append(f"  form  {mutant.window_form}")
   return "\n".join(lines)
 
 

@@ -287,6 +287,55 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_accumulate.py",
     ),
   ),
+  # The loop form, what GPUs and TPUs run: executed on the CPU with the form
+  # pinned, since the CPU's own form never runs this code.
+  Mutant(
+    name="loops_close_without_the_last_gradient",
+    guarantee="equivalence (the GPU's form of the window)",
+    defect="the closing loop does not add the micro-step's gradient: every"
+    " window a GPU closes leaves its last micro-batch out",
+    edits=(
+      Edit(WINDOW, "      accumulator = micro_step.added(accumulator, grads)\n", ""),
+    ),
+    tests=(
+      "tests/test_equivalence.py::test_uniform_micro_batches_match_the_large_batch",
+    ),
+    window_form="loops",
+  ),
+  Mutant(
+    name="loops_close_without_the_last_noise_term",
+    guarantee="the gradient noise scale (the GPU's form of the window)",
+    defect="the closing loop leaves the last micro-gradient out of the"
+    " noise sums: B_simple is wrong on every GPU window, and the bytes"
+    " hardly change",
+    edits=(
+      Edit(
+        WINDOW,
+        "      noise = window.noise.add(\n"
+        "        noise, grads, micro_step.weight, micro_step.admitted.accepted,\n"
+        "        window.parallel,\n"
+        "      )  # fmt: skip\n",
+        "",
+      ),
+    ),
+    tests=("tests/test_noise_scale.py::test_one_device_matches_numpy",),
+    window_form="loops",
+  ),
+  Mutant(
+    name="loop_predicate_never_cleared",
+    guarantee="cost (each side of the window runs at most once)",
+    defect="a loop's body hands its predicate back unchanged: the side that"
+    " runs would run forever, and a GPU step hangs",
+    edits=(
+      Edit(
+        RUN_ONCE,
+        "return jnp.zeros((), jnp.bool_), body(carried, *read), read",
+        "return state[0], body(carried, *read), read",
+      ),
+    ),
+    tests=("tests/test_window_form.py::test_each_loop_runs_at_most_once",),
+    window_form="loops",
+  ),
   Mutant(
     name="loop_shardings_left_to_the_partitioner",
     guarantee="data parallel (ZeRO-1: the optimizer state stays sharded)",

@@ -184,9 +184,10 @@ def accumulate(
   ``optimizer`` whenever one model's window closes. The results are
   unchanged, even for models whose windows are out of phase. Under ``jit``,
   ``pmap`` and ``jax.shard_map`` the predicate is a scalar and only one side
-  runs. ``update`` can be differentiated in forward mode (``jax.jvp``);
-  reverse mode is not supported (a ``lax.while_loop`` has none, and on a
-  GPU each side is one). Called outside ``jit``, ``update`` compiles once
+  runs. ``update`` can be differentiated in both modes, under ``jit``
+  too: a side's derivative is that of the same side written as a
+  ``lax.cond`` (a ``lax.while_loop`` has no reverse mode), and a step that
+  is not differentiated keeps its loops. Called outside ``jit``, ``update`` compiles once
   per shapes and dtypes.
 
   Args:

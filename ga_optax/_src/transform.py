@@ -187,8 +187,8 @@ def accumulate(
   runs. ``update`` can be differentiated in both modes, under ``jit``
   too: a side's derivative is that of the same side written as a
   ``lax.cond`` (a ``lax.while_loop`` has no reverse mode), and a step that
-  is not differentiated keeps its loops. Called outside ``jit``, ``update`` compiles once
-  per shapes and dtypes.
+  is not differentiated keeps its loops. Called outside ``jit``,
+  ``update`` compiles once per shapes and dtypes.
 
   Args:
     optimizer: the optax transformation to apply once per window: a chain,

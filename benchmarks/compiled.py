@@ -15,7 +15,12 @@ Usage::
   JAX_PLATFORMS=cpu python benchmarks/compiled.py            # 4 x 2048^2
   JAX_PLATFORMS=cpu python benchmarks/compiled.py --width 1024 --output o.json
 
-Prints a table of paths, then one of the targets' ratios, and writes JSON.
+Beside ga_optax's steps it compiles the floor (a gradient added into a
+donated accumulator) and the host-scheduled window's programs
+(``benchmarks/host_scheduled.py``), which have no control flow. Prints a
+table of paths, one of the targets' ratios and one of whole windows (bytes
+per micro-step, closing step and window of k calls, beside the floor, plain
+Adam and ``optax.MultiSteps``), and writes JSON.
 """
 
 from __future__ import annotations
@@ -42,10 +47,18 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import ga_optax  # noqa: E402
+from benchmarks import host_scheduled as host_scheduled_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
 from ga_optax import testing  # noqa: E402
 
 MIB = 2**20
+# The least a micro-step can do, and the host-scheduled window's programs
+# (benchmarks/host_scheduled.py): steps without control flow, so each has
+# one path, which both of ``audit``'s paths read.
+FLOOR = "floor: gradient + add"
+HOST_FIRST_STEP = "host-scheduled: first micro-step"
+HOST_MICRO_STEP = "host-scheduled: micro-step"
+HOST_CLOSING_STEP = "host-scheduled: closing step"
 
 # (figure, numerator, denominator, target, goal): bytes moved per path.
 TARGETS = [
@@ -83,6 +96,20 @@ TARGETS = [
     ("hand-written lax.scan", "micro_step"),
     1.02,
     None,
+  ),
+  (
+    "host-scheduled micro-step / floor (gradient + add)",
+    (HOST_MICRO_STEP, "micro_step"),
+    (FLOOR, "micro_step"),
+    1.05,
+    None,
+  ),
+  (
+    "host-scheduled closing step / plain Adam step",
+    (HOST_CLOSING_STEP, "closing"),
+    ("plain Adam", "micro_step"),
+    1.35,
+    1.15,
   ),
 ]
 
@@ -156,6 +183,48 @@ def steps(
       ga_optax.microbatched_value_and_grad(loss_fn, k)
     ),
     "hand-written lax.scan": in_step(hand_written_scan(loss_fn, k)),
+    **host_scheduled_steps(workload, adam),
+  }
+
+
+def host_scheduled_steps(
+  workload: workloads_lib.Workload, optimizer: optax.GradientTransformation
+) -> dict[str, tuple[Callable[..., Any], Any, Any]]:
+  """The floor and the host-scheduled window's programs, as ``steps`` gives
+  them: ``step(params, state, batch)``, params and state donated.
+
+  A micro-step's program donates only its sums; here the params are donated
+  too and handed back untouched, which XLA aliases without moving a byte.
+  """
+  loss_fn, params = workload.loss_fn, workload.params
+  micro_step = host_scheduled_lib.micro_step_fn(loss_fn)
+  closing_step = host_scheduled_lib.closing_step_fn(loss_fn, optimizer)
+
+  def floor(params, accumulator, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    return params, jax.tree.map(jnp.add, accumulator, grads)
+
+  def first(params, sums, batch):
+    del sums  # None: the first micro-step writes the sums
+    return params, *micro_step(params, None, batch, None)
+
+  def micro(params, sums, batch):
+    return params, *micro_step(params, sums, batch, None)
+
+  def closing(params, opt_state, sums_and_batch):
+    # The sums ride with the batch: the closing step does not donate them.
+    sums, batch = sums_and_batch
+    return closing_step(params, opt_state, sums, batch, None)
+
+  sums = host_scheduled_lib.WindowSums(
+    optax.tree.zeros_like(params), jnp.ones((), jnp.float32)
+  )
+  batch = workload.microbatches[0]
+  return {
+    FLOOR: (floor, optax.tree.zeros_like(params), batch),
+    HOST_FIRST_STEP: (first, None, batch),
+    HOST_MICRO_STEP: (micro, sums, batch),
+    HOST_CLOSING_STEP: (closing, optimizer.init(params), (sums, batch)),
   }
 
 
@@ -211,6 +280,75 @@ def ratios(records: dict[str, Any]) -> list[dict[str, Any]]:
   return rows
 
 
+def windows(records: dict[str, Any], every_k: int) -> list[dict[str, Any]]:
+  """Bytes moved per micro-step, closing step and whole window of ``every_k``
+  calls, beside the floor, a plain Adam step and ``optax.MultiSteps``.
+
+  Plain Adam's window is ``every_k`` optimizer steps: the work a window
+  saves. The host-scheduled window is its first micro-step, ``every_k - 2``
+  others and its closing step.
+  """
+
+  def moved(name: str, path: str = "micro_step") -> float:
+    return records[name][path]["moved_mib"]
+
+  calls = {
+    "plain Adam": (moved("plain Adam"), moved("plain Adam")),
+    "optax.MultiSteps": (moved("optax.MultiSteps"),) * 2,
+    "ga_optax.accumulate": (
+      moved("ga_optax.accumulate"),
+      moved("ga_optax.accumulate", "closing"),
+    ),
+    "ga_optax.accumulate_and_apply": (
+      moved("ga_optax.accumulate_and_apply"),
+      moved("ga_optax.accumulate_and_apply", "closing"),
+    ),
+    "host-scheduled window": (
+      moved(HOST_MICRO_STEP),
+      moved(HOST_CLOSING_STEP, "closing"),
+    ),
+  }
+  window = {
+    name: (every_k - 1) * micro + closing
+    for name, (micro, closing) in calls.items()
+  }
+  window["host-scheduled window"] = (
+    moved(HOST_CLOSING_STEP, "closing")
+    + min(every_k - 1, 1) * moved(HOST_FIRST_STEP)
+    + max(every_k - 2, 0) * moved(HOST_MICRO_STEP)
+  )
+  return [
+    {
+      "step": name,
+      "micro_step_mib": micro,
+      "micro_step_over_floor": micro / moved(FLOOR),
+      "closing_mib": closing,
+      "closing_over_plain_adam": closing / moved("plain Adam"),
+      "window_mib": window[name],
+      "window_over_multi_steps": window[name] / window["optax.MultiSteps"],
+    }
+    for name, (micro, closing) in calls.items()
+  ]
+
+
+def windows_table(
+  rows: list[dict[str, Any]], compiled_for: str = "H100"
+) -> str:
+  lines = [
+    f"| window ({compiled_for}-compiled, MiB moved) | micro-step | / floor |"
+    " closing step | / plain Adam | window | / MultiSteps |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for row in rows:
+    lines.append(
+      f"| {row['step']} | {row['micro_step_mib']:.1f}"
+      f" | {row['micro_step_over_floor']:.3f} | {row['closing_mib']:.1f}"
+      f" | {row['closing_over_plain_adam']:.3f} | {row['window_mib']:.1f}"
+      f" | {row['window_over_multi_steps']:.3f} |"
+    )
+  return "\n".join(lines)
+
+
 def tables(
   records: dict[str, Any],
   rows: list[dict[str, Any]],
@@ -259,7 +397,10 @@ def main(argv: list[str] | None = None) -> None:
   )
   records = measure(workload)
   rows = ratios(records)
+  window_rows = windows(records, workload.every_k)
   print(tables(records, rows))
+  print()
+  print(windows_table(window_rows))
   args.output.parent.mkdir(parents=True, exist_ok=True)
   args.output.write_text(
     json.dumps(
@@ -271,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         "workload": workload.config,
         "paths": records,
         "ratios": rows,
+        "windows": window_rows,
       },
       indent=2,
     )

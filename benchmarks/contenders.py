@@ -4,6 +4,10 @@ Every contender is ``step(params, state, batch) -> (params, state)`` where
 ``batch`` is a micro-batch (``per="micro-step"``), the whole window's batch
 (``per="window"``) or, for the optimizer alone, fixed gradients. Params and
 state are donated, as in a real training loop.
+
+:func:`build` gives ``benchmarks/run.py``'s contenders, one program each;
+:func:`window_contenders` gives whole windows whose calls may each run a
+program of their own (the host-scheduled window), for the run book.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import jax.numpy as jnp
 import optax
 
 import ga_optax
+from benchmarks import cond_window, host_scheduled
 from benchmarks.workloads import Workload
 
 LEARNING_RATE = 1e-4
+HOST_SCHEDULED = "host-scheduled window"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,3 +206,117 @@ def build(workload: Workload) -> list[Contender]:
     ),
   ]
   return contenders
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowContender:
+  """A window of ``every_k`` calls, and the program each call runs.
+
+  Attributes:
+    name: row name in the tables.
+    description: what a window does.
+    init: ``params -> state``.
+    calls: one callable per micro-step of the window, in order, each
+      ``(params, state, batch) -> (params, state)`` with params and state
+      donated; most contenders run one program for all of them.
+  """
+
+  name: str
+  description: str
+  init: Callable[[Any], Any]
+  calls: tuple[Callable[..., Any], ...]
+
+
+def _jit_with(options: dict[str, str] | None) -> Callable[..., Any]:
+  def jit(step: Callable[..., Any]) -> Callable[..., Any]:
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=options)
+
+  return jit
+
+
+def _host_scheduled_calls(
+  window: host_scheduled.HostScheduledWindow,
+) -> tuple[Callable[..., Any], ...]:
+  """The window's calls over ``(opt_state, sums)``: the host picks each
+  call's program from its index alone."""
+
+  def call(index: int) -> Callable[..., Any]:
+    def run(params, state, batch):
+      opt_state, sums = state
+      params, opt_state, sums, _ = host_scheduled.scheduled_step(
+        window, index, params, opt_state, sums, batch
+      )
+      return params, (opt_state, sums)
+
+    return run
+
+  return tuple(call(index) for index in range(window.every_k))
+
+
+def window_contenders(
+  workload: Workload, gpu_options: dict[str, str] | None
+) -> list[WindowContender]:
+  """The forms of one window: plain Adam, ``optax.MultiSteps``, ga_optax's
+  default form, the same under ``gpu_options`` (the GPU recipe, left out
+  where None), the host-scheduled window and the 0.3 ``lax.cond`` window.
+
+  Adam's learning rate is :data:`LEARNING_RATE` throughout; each window
+  adds ``every_k`` micro-batches of weight 1.
+  """
+  loss_fn, k = workload.loss_fn, workload.every_k
+  adam = optax.adam(LEARNING_RATE)
+  plain = _jit(_transformation_step(loss_fn, adam))
+  multi_steps = optax.MultiSteps(adam, k)
+  accumulate = ga_optax.accumulate(adam, k)
+  fused = ga_optax.accumulate_and_apply(adam, k)
+
+  def fused_step(params, state, batch):
+    return fused.apply(params, jax.grad(loss_fn)(params, batch), state)
+
+  forms = {"": None}
+  if gpu_options is not None:
+    forms[", GPU recipe"] = gpu_options
+  contenders = [
+    WindowContender(
+      "plain Adam", "k Adam steps, one per micro-batch", adam.init, (plain,) * k
+    ),
+    WindowContender(
+      "optax.MultiSteps",
+      "MultiSteps(Adam, k): the optimizer runs on every call",
+      multi_steps.init,
+      (_jit(_transformation_step(loss_fn, multi_steps)),) * k,
+    ),
+  ]
+  for suffix, options in forms.items():
+    jit = _jit_with(options)
+    contenders += [
+      WindowContender(
+        f"ga_optax.accumulate{suffix}",
+        "accumulate(Adam, k).update + apply_updates",
+        accumulate.init,
+        (jit(_transformation_step(loss_fn, accumulate)),) * k,
+      ),
+      WindowContender(
+        f"ga_optax.accumulate_and_apply{suffix}",
+        "the fused path",
+        fused.init,
+        (jit(fused_step),) * k,
+      ),
+    ]
+  window = host_scheduled.host_scheduled_window(loss_fn, adam, k)
+  cond_init, cond_step = cond_window.cond_window(loss_fn, adam, k)
+  return [
+    *contenders,
+    WindowContender(
+      HOST_SCHEDULED,
+      "k - 1 micro-steps and a closing step, chosen by the host",
+      lambda params: (adam.init(params), None),
+      _host_scheduled_calls(window),
+    ),
+    WindowContender(
+      "0.3 window (one lax.cond)",
+      "the gradient added outside, one lax.cond to step Adam",
+      cond_init,
+      (_jit(cond_step),) * k,
+    ),
+  ]

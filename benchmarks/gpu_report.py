@@ -9,15 +9,20 @@ One command checks and measures ga_optax on the machine at hand::
 Each section runs on its own (a failure is recorded in its place, and the
 next one runs), names what measured it, and writes ``DIR/<section>.json``
 and ``.md`` as it ends; ``DIR/gpu_report.json`` and ``.md`` hold every
-section so far, so a run cut short keeps what it measured. A run without a
-GPU says at the top that none of its figures is a GPU figure. In order:
-``environment``; the compiler figures, which need no GPU (``compiled_h100``:
-``benchmarks/compiled.py``'s steps compiled by XLA:GPU for a compile-only
-H100, which needs the CUDA plugin and, without a GPU, ``JAX_PLATFORMS=cpu``;
-``compiled_here``: the same for the device at hand); then what needs a
-device: ``step_time``, ``in_step``, ``host_memory``, ``peak_memory`` (where
-the device has ``memory_stats()``) and ``largest_batch``
-(``benchmarks/largest_batch.py``).
+section so far, so a run cut short keeps what it measured. A section that
+would start after ``--budget-s`` seconds (300: a lent GPU's five minutes)
+is skipped, so the most wanted come first. A run without a GPU says at the
+top that none of its figures is a GPU figure. In order: ``environment``;
+``compiled_h100`` (``benchmarks/compiled.py``'s steps compiled by XLA:GPU
+for a compile-only H100, which needs the CUDA plugin and, without a GPU,
+``JAX_PLATFORMS=cpu``); ``window_time`` (every form of a window timed per
+call and per window, ``benchmarks/window_time.py``); ``cond_window`` (0.3's
+one-conditional window: its conditionals, copies and host waits under this
+jax, ``benchmarks/cond_window.py``); ``summation_orders`` (the demo's large
+batch in two orders, ``benchmarks/summation_orders.py``); ``compiled_here``
+(``compiled_h100`` for the device at hand); ``step_time``, ``in_step``,
+``host_memory``, ``largest_batch`` (``benchmarks/largest_batch.py``) and
+``peak_memory`` (where the device has ``memory_stats()``).
 """
 
 from __future__ import annotations
@@ -45,9 +50,12 @@ import numpy as np  # noqa: E402
 
 import ga_optax  # noqa: E402
 from benchmarks import compiled as compiled_lib  # noqa: E402
+from benchmarks import cond_window as cond_lib  # noqa: E402
 from benchmarks import host_memory as host_lib  # noqa: E402
 from benchmarks import largest_batch as largest_lib  # noqa: E402
 from benchmarks import run as run_lib  # noqa: E402
+from benchmarks import summation_orders as orders_lib  # noqa: E402
+from benchmarks import window_time as window_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
 from ga_optax import testing  # noqa: E402
 
@@ -162,13 +170,20 @@ def compiled_section(
   if h100:
     for row, theirs in zip(ratios, h100["ratios"], strict=True):
       row["h100_ratio"] = theirs["ratio"]
-  return {"workload": workload.description, "paths": paths, "ratios": ratios}
+  windows = compiled_lib.windows(paths, workload.every_k)
+  return {
+    "workload": workload.description,
+    "paths": paths,
+    "ratios": ratios,
+    "windows": windows,
+  }
 
 
 def compiled_lines(record: Record, compiled_for: str) -> list[str]:
   paths, ratios = record["paths"], record["ratios"]
   lines = [record["workload"], ""]
   lines += [compiled_lib.tables(paths, ratios, compiled_for), ""]
+  lines += [compiled_lib.windows_table(record["windows"], compiled_for), ""]
   sides = [
     {"step": name, **path["window_sides"]} for name, path in paths.items()
   ]
@@ -282,6 +297,18 @@ def peak_memory_section(quick: bool) -> Record:
   }
 
 
+def window_time_lines(records: Record) -> list[str]:
+  def caption(name: str, record: Record) -> str:
+    recipe = "" if record["gpu_recipe"] else "; no GPU recipe in this ga_optax"
+    return f"{name}: {record['description']}{recipe}"
+
+  return [
+    line
+    for name, record in records.items()
+    for line in table(record["rows"], caption(name, record))
+  ]
+
+
 def sections(args: argparse.Namespace, report: Record) -> list[Section]:
   device = jax.devices()[0]
   here = f"{device.platform}: {device.device_kind} x {jax.device_count()}"
@@ -293,6 +320,14 @@ def sections(args: argparse.Namespace, report: Record) -> list[Section]:
     Section("compiled_h100", H100,
             lambda: compiled_section(quick, compile_for_h100),
             lambda record: compiled_lines(record, "H100")),
+    Section("window_time", here, lambda: window_lib.measure(quick, repeats),
+            window_time_lines),
+    Section("cond_window", f"{here}, and {H100}",
+            lambda: cond_lib.figures(quick),
+            lambda record: table(record["rows"], record["workload"])),
+    Section("summation_orders", here, lambda: orders_lib.measure(quick),
+            lambda record: table(record["runs"], record["command"])
+            + table(record["distances"])),
     Section("compiled_here", here,
             lambda: compiled_section(quick, compile_here, h100()),
             lambda record: compiled_lines(record, jax.default_backend())),
@@ -303,23 +338,25 @@ def sections(args: argparse.Namespace, report: Record) -> list[Section]:
     Section("host_memory", here, lambda: host_memory_section(quick, repeats),
             lambda records: per_workload(
               {name: record["figures"] for name, record in records.items()})),
-    Section("peak_memory", here, lambda: peak_memory_section(quick),
-            per_workload),
     Section("largest_batch", here,
             lambda: largest_lib.measure(*largest_lib.budget(
               args.memory_budget_mib, args.memory_fraction, quick), quick),
             lambda record: table(record["largest"],
                                  largest_lib.caption(record))),
+    Section("peak_memory", here, lambda: peak_memory_section(quick),
+            per_workload),
   ]  # fmt: skip
 
 
-def run_section(section: Section) -> tuple[Record, str]:
+def run_section(section: Section, over_budget: bool) -> tuple[Record, str]:
   """One section's record and markdown; a failure is recorded, not raised."""
   print(f"{section.name} ...", file=sys.stderr, flush=True)
   started = time.perf_counter()
   record: Record = {"backend": section.backend}
   lines = [f"## {section.name} ({section.backend})", ""]
   try:
+    if over_budget:
+      raise Skipped("the run's time budget (--budget-s) was spent before it")
     record.update(status="ok", results=section.measure())
     lines += section.render(record["results"])
   except Skipped as reason:
@@ -352,7 +389,14 @@ def main(argv: list[str] | None = None) -> Record:
   # Headroom for the runtime's own buffers and fragmentation.
   parser.add_argument("--memory-fraction", type=float, default=0.9)
   parser.add_argument("--section", action="append", help="only these")
+  parser.add_argument(
+    "--budget-s",
+    type=float,
+    default=300.0,
+    help="start no section after this many seconds",
+  )
   args = parser.parse_args(argv)
+  started = time.perf_counter()
   args.repeats = args.repeats or (2 if args.quick else 10)
   given = sys.argv[1:] if argv is None else argv
   args.command = " ".join(["python benchmarks/gpu_report.py", *given])
@@ -362,7 +406,11 @@ def main(argv: list[str] | None = None) -> Record:
   for section in sections(args, report):
     if args.section and section.name not in {"environment", *args.section}:
       continue
-    report[section.name], text = run_section(section)
+    # What the others are measured on is always recorded.
+    over_budget = section.name != "environment" and (
+      time.perf_counter() - started >= args.budget_s
+    )
+    report[section.name], text = run_section(section, over_budget)
     markdown.append(text)
     write(args.output_dir, section.name, report[section.name], text)
     write(args.output_dir, "gpu_report", report, "\n".join(markdown))

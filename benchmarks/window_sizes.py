@@ -2,7 +2,7 @@
 
 ga_optax compiles each side of a window as a loop of at most one trip on a
 GPU, which XLA:GPU compiles without copies, and as an add followed by a
-conditional on the CPU (its ``platform_dependent`` choice). Both forms make
+conditional on the CPU (``ga_optax/_src/window_form.py`` chooses). Both forms make
 the device's runtime read a predicate before it goes on; ``optax.MultiSteps``
 has no control flow and runs the optimizer on every call instead. Which
 costs more depends on the model's size: the bytes the optimizer moves grow
@@ -11,8 +11,8 @@ with it, the wait for a predicate does not.
 For MLPs of growing size (micro-batch 8, Adam, k = 4) this times whole
 windows of k donated, jitted calls on the device at hand: plain Adam (k
 steps), ``optax.MultiSteps``, ``accumulate`` and ``accumulate_and_apply``,
-each of the last two also in the CPU's form (the platform choice pinned to
-its ``cpu`` branch while tracing, so a GPU runs the conditional form). Beside
+each of the last two also in the CPU's form (``GA_OPTAX_WINDOW_FORM`` set
+to ``conditional`` while tracing, so a GPU runs that form). Beside
 each time: the bytes moved and copied on the micro-step path of the compiled
 program (``ga_optax.testing.path_audit``). Times are medians of rounds.
 
@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -45,29 +46,30 @@ import jax  # noqa: E402
 from benchmarks import compiled as compiled_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
 
-SIZES = ((256, 2), (1024, 4), (2048, 4), (4096, 8))
+SIZES = workloads_lib.MLP_SIZES
 EVERY_K = 4
 CONDITIONAL_FORM = " (conditional form)"
+# The variable that pins the window's form while a step is traced.
+WINDOW_FORM = "GA_OPTAX_WINDOW_FORM"
 
 
 @contextlib.contextmanager
 def conditional_form() -> Iterator[None]:
   """Traces ga_optax's window in the form it takes on the CPU, anywhere.
 
-  Both of the window's platform choices go through
-  ``jax.lax.platform_dependent``; pinned to its ``cpu`` branch, a program
-  compiled for a GPU holds the conditional form.
+  ga_optax reads ``GA_OPTAX_WINDOW_FORM`` when it traces a step: set to
+  ``conditional``, a program compiled for a GPU holds the CPU's form. The
+  variable's earlier value is restored on the way out.
   """
-  choose = jax.lax.platform_dependent
-
-  def cpu_branch(*args: Any, cpu: Callable[..., Any], **_: Any) -> Any:
-    return cpu(*args)
-
-  jax.lax.platform_dependent = cpu_branch  # type: ignore[assignment]
+  before = os.environ.get(WINDOW_FORM)
+  os.environ[WINDOW_FORM] = "conditional"
   try:
     yield
   finally:
-    jax.lax.platform_dependent = choose
+    if before is None:
+      del os.environ[WINDOW_FORM]
+    else:
+      os.environ[WINDOW_FORM] = before
 
 
 def fresh(step: Callable[..., Any]) -> Callable[..., Any]:

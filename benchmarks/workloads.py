@@ -51,6 +51,11 @@ class Workload:
     return sum(leaf.size for leaf in jax.tree.leaves(self.params))
 
 
+# (width, depth) of the MLPs a window is timed on as the model grows: 0.13M,
+# 4.2M, 16.8M and 134M float32 parameters.
+MLP_SIZES = ((256, 2), (1024, 4), (2048, 4), (4096, 8))
+
+
 def mlp(width: int, depth: int, microbatch: int, every_k: int) -> Workload:
   """The reference: ``depth`` square tanh layers, no biases, squared error.
 

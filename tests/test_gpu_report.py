@@ -21,21 +21,29 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import chex
 import jax
+import numpy as np
+import optax
 import pytest
 
-from benchmarks import compiled, largest_batch
+import ga_optax
+from benchmarks import compiled, cond_window, largest_batch, workloads
+from ga_optax import testing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = [
   "environment",
   "compiled_h100",
+  "window_time",
+  "cond_window",
+  "summation_orders",
   "compiled_here",
   "step_time",
   "in_step",
   "host_memory",
-  "peak_memory",
   "largest_batch",
+  "peak_memory",
 ]
 COMPILED_STEPS = {
   "plain Adam",
@@ -90,6 +98,9 @@ def test_quick_run_writes_a_cpu_labelled_report(tmp_path):
   check_records_device_versions_variables_machine_and_date(report)
   check_the_h100_compiled_program_or_why_it_is_missing(report["compiled_h100"])
   check_this_backends_compiled_program_beside_the_h100s(report)
+  check_every_form_of_the_window_is_timed(report["window_time"])
+  check_the_cond_window_beside_accumulate(report["cond_window"])
+  check_two_summation_orders_of_the_large_batch(report["summation_orders"])
   check_step_time_has_ratios_to_plain_adam_and_multi_steps(report)
   check_in_step_window_against_the_hand_written_scan(report)
   check_host_memory_and_no_peaks_without_memory_stats(report)
@@ -166,6 +177,82 @@ def check_this_backends_compiled_program_beside_the_h100s(report):
   ratios = zip(here["results"]["ratios"], h100["ratios"], strict=True)
   for row, theirs in ratios:
     assert row.get("h100_ratio") == theirs.get("ratio"), row
+
+
+def check_every_form_of_the_window_is_timed(section):
+  assert section["status"] == "ok", section.get("traceback")
+  recipe = hasattr(ga_optax, "gpu_compiler_options")
+  forms = [", GPU recipe"] if recipe else []
+  expected = [
+    "plain Adam",
+    "optax.MultiSteps",
+    *(
+      f"ga_optax.{path}{form}"
+      for form in ["", *forms]
+      for path in ("accumulate", "accumulate_and_apply")
+    ),
+    "host-scheduled window",
+    "0.3 window (one lax.cond)",
+  ]
+  (record,) = section["results"].values()  # quick: the smallest MLP only
+  assert (record["gpu_recipe"] is not None) == recipe
+  assert [row["contender"] for row in record["rows"]] == expected
+  for row in record["rows"]:
+    assert row["finite"] is True, row
+    for key in ("micro_ms", "closing_ms", "window_ms"):
+      assert is_time(row[key]), (key, row)
+    assert row["windows_per_round"] >= 1
+  host, multi_steps = record["rows"][-2], record["rows"][1]
+  assert host["micro_over_host_scheduled"] == 1.0
+  assert multi_steps["window_over_multi_steps"] == 1.0
+
+
+def check_the_cond_window_beside_accumulate(section):
+  assert section["status"] == "ok", section.get("traceback")
+  rows = {
+    (row["window"], row["compiled for"]): row
+    for row in section["results"]["rows"]
+  }
+  cpu = jax.devices()[0].device_kind
+  windows = (cond_window.COND_WINDOW, "ga_optax.accumulate")
+  assert set(rows) == {
+    (w, on) for w in windows for on in ("H100 (compile-only)", cpu)
+  }
+  # On the CPU 0.3's window is one conditional (accumulate's takes the form
+  # the platform or GA_OPTAX_WINDOW_FORM chooses).
+  for window in windows:
+    here = rows[window, cpu]
+    assert here["micro_step_moved_mib"] > 0 and here["closing_moved_mib"] > 0
+  assert rows[cond_window.COND_WINDOW, cpu]["conditionals"] == 1
+  assert rows[cond_window.COND_WINDOW, cpu]["loops"] == 0
+  h100 = rows[cond_window.COND_WINDOW, "H100 (compile-only)"]
+  if h100.get("unavailable"):
+    assert "CUDA plugin" in h100["unavailable"]
+    return
+  # XLA:GPU keeps 0.3's conditional (its open branch only forwards) and
+  # compiles accumulate's two sides as loops.
+  assert (h100["conditionals"], h100["loops"]) == (1, 0), h100
+  loops = rows["ga_optax.accumulate", "H100 (compile-only)"]
+  assert (loops["conditionals"], loops["loops"]) == (0, 2), loops
+  if hasattr(testing, "host_waits"):
+    # Under XLA's defaults the host drives accumulate's two loops: 3 waits.
+    assert loops["waits_micro_step"] == 3, loops
+    assert h100["waits_micro_step"] in (0, 1), h100
+
+
+def check_two_summation_orders_of_the_large_batch(section):
+  assert section["status"] == "ok", section.get("traceback")
+  results = section["results"]
+  assert [run["run"] for run in results["runs"]] == [
+    "large batch",
+    "large batch, rows permuted",
+    "ga_optax.accumulate",
+  ]
+  assert all(run["params_finite"] for run in results["runs"])
+  distances = [row["max_relative_difference"] for row in results["distances"]]
+  assert len(distances) == 3
+  # On the CPU, at full precision, every pair is float32 rounding apart.
+  assert all(0 <= distance < 1e-4 for distance in distances), distances
 
 
 def check_step_time_has_ratios_to_plain_adam_and_multi_steps(report):
@@ -298,3 +385,36 @@ def test_largest_fitting_reports_when_nothing_or_everything_fits():
   )
   assert found["rows"] == 2**22 and found["next_rows"] is None
   assert len(calls) <= 4
+
+
+def test_sections_after_the_time_budget_are_skipped(tmp_path):
+  only = ["--section", "in_step", "--budget-s", "0"]
+  report = load_gpu_report().main(
+    ["--quick", "--output-dir", str(tmp_path), *only]
+  )
+  assert report["environment"]["status"] == "ok"
+  assert report["in_step"]["status"] == "skipped"
+  assert "--budget-s" in report["in_step"]["reason"]
+
+
+def test_the_cond_window_is_the_large_batch():
+  """The 0.3 window the run book times is exact: one Adam step per window
+  on the window's mean gradient, window after window."""
+  workload = workloads.mlp(64, 2, 8, 4)
+  adam = optax.adam(1e-2)
+  init, step = cond_window.cond_window(workload.loss_fn, adam, 4)
+  step = jax.jit(step)
+  params, state = workload.params, init(workload.params)
+  expected, expected_state = workload.params, adam.init(workload.params)
+  for _ in range(3):
+    for batch in workload.microbatches:
+      params, state = step(params, state, batch)
+    grads = jax.grad(workload.loss_fn)(expected, workload.window_batch)
+    updates, expected_state = adam.update(grads, expected_state, expected)
+    expected = optax.apply_updates(expected, updates)
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+  chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=1e-6)
+  chex.assert_trees_all_close(
+    state.inner_state, expected_state, rtol=2e-5, atol=1e-6
+  )
+  assert int(state.micro_step) == 0

@@ -1,0 +1,173 @@
+"""The run book's window times: every form of a window, side by side.
+
+On the device at hand, for MLPs of 0.13M, 4.2M, 16.8M and 134M parameters
+(micro-batch 8, Adam, k = 4) and the reference Transformer, this times the
+windows of ``contenders.window_contenders``: plain Adam (k steps),
+``optax.MultiSteps``, ``accumulate`` and ``accumulate_and_apply`` in their
+default form and under ``ga_optax.gpu_compiler_options()`` (the GPU recipe,
+where this ga_optax has it), the host-scheduled window
+(``benchmarks/host_scheduled.py``) and the 0.3 ``lax.cond`` window
+(``benchmarks/cond_window.py``).
+
+Each round runs, for every contender in an order that rotates from round to
+round (a slow spell then falls on all alike):
+
+* one window of k calls, each call waited for and timed: the per-call
+  medians, the window's last call (the closing one) apart from the others;
+* a few windows queued back to back and waited for once, about 20 ms of
+  them: the time of a window as a training loop sees it.
+
+Medians over rounds; ratios to the host-scheduled micro-step (the floor
+written as a program) and to ``optax.MultiSteps``' window. Every
+contender's params are checked finite at the end. Times, on whatever device
+runs it: a CPU's say nothing about a GPU's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ga_optax
+from benchmarks import contenders as contenders_lib
+from benchmarks import workloads as workloads_lib
+
+# Queued windows per round: enough that timer and launch noise stay small.
+ROUND_SECONDS = 0.02
+Record = dict[str, Any]
+
+
+def gpu_options() -> dict[str, str] | None:
+  """The GPU recipe's compiler options, or None where ga_optax lacks it."""
+  recipe: Callable[[], dict[str, str]] | None = getattr(
+    ga_optax, "gpu_compiler_options", None
+  )
+  return None if recipe is None else recipe()
+
+
+def workloads(quick: bool) -> list[workloads_lib.Workload]:
+  if quick:
+    return [workloads_lib.mlp(256, 2, 8, 4)]
+  mlps = [
+    workloads_lib.mlp(width, depth, 8, 4)
+    for width, depth in workloads_lib.MLP_SIZES
+  ]
+  return [*mlps, workloads_lib.reference_workloads(quick=False)[1]]
+
+
+def fresh(tree: Any) -> Any:
+  """A copy with its own buffers: the calls donate theirs."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+class Runner:
+  """One contender's params and state, carried from window to window."""
+
+  def __init__(
+    self,
+    contender: contenders_lib.WindowContender,
+    workload: workloads_lib.Workload,
+  ):
+    self.contender = contender
+    self.batches = workload.microbatches
+    params = fresh(workload.params)
+    self.carry = (params, fresh(contender.init(params)))
+    self.calls_ms: list[list[float]] = []
+    self.windows_ms: list[float] = []
+    self.windows_per_round = 1
+
+  def window(self, timed: bool) -> list[float]:
+    """Runs one window; with ``timed``, waits for and times every call."""
+    times = []
+    for call, batch in zip(self.contender.calls, self.batches, strict=True):
+      start = time.perf_counter()
+      self.carry = call(*self.carry, batch)
+      if timed:
+        jax.block_until_ready(self.carry)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+  def queued_windows(self, count: int) -> float:
+    """Milliseconds per window of ``count`` windows waited for once."""
+    start = time.perf_counter()
+    for _ in range(count):
+      self.window(timed=False)
+    jax.block_until_ready(self.carry)
+    return (time.perf_counter() - start) / count * 1e3
+
+  def warm_up(self) -> float:
+    """Compiles every program; sets how many windows a round queues."""
+    start = time.perf_counter()
+    self.window(timed=True)
+    compile_s = time.perf_counter() - start
+    window_s = self.queued_windows(1) / 1e3
+    self.windows_per_round = max(1, math.ceil(ROUND_SECONDS / window_s))
+    return compile_s
+
+  def round(self) -> None:
+    self.calls_ms.append(self.window(timed=True))
+    self.windows_ms.append(self.queued_windows(self.windows_per_round))
+
+  def result(self) -> Record:
+    calls = np.asarray(self.calls_ms)
+    return {
+      "contender": self.contender.name,
+      "micro_ms": float(
+        np.median(calls[:, :-1] if calls.shape[1] > 1 else calls)
+      ),
+      "closing_ms": float(np.median(calls[:, -1])),
+      "window_ms": statistics.median(self.windows_ms),
+      "windows_per_round": self.windows_per_round,
+      "finite": all(
+        bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(self.carry)
+      ),
+    }
+
+
+def measure_workload(workload: workloads_lib.Workload, repeats: int) -> Record:
+  """Every contender's medians on one workload, with the ratios."""
+  options = gpu_options()
+  runners = [
+    Runner(contender, workload)
+    for contender in contenders_lib.window_contenders(workload, options)
+  ]
+  compile_s = {}
+  for runner in runners:
+    print(f"  warming up {runner.contender.name}", file=sys.stderr, flush=True)
+    compile_s[runner.contender.name] = runner.warm_up()
+  for round_index in range(repeats):
+    shift = round_index % len(runners)
+    for runner in runners[shift:] + runners[:shift]:
+      runner.round()
+  rows = [runner.result() for runner in runners]
+  found = {row["contender"]: row for row in rows}
+  floor = found[contenders_lib.HOST_SCHEDULED]["micro_ms"]
+  multi_steps = found["optax.MultiSteps"]["window_ms"]
+  for row in rows:
+    row["micro_over_host_scheduled"] = row["micro_ms"] / floor
+    row["window_over_multi_steps"] = row["window_ms"] / multi_steps
+  return {
+    "description": workload.description,
+    "num_params": workload.num_params,
+    "gpu_recipe": options,
+    "first_window_s": compile_s,
+    "rows": rows,
+  }
+
+
+def measure(quick: bool, repeats: int) -> Record:
+  """Each workload's record, by name and size."""
+  records = {}
+  for workload in workloads(quick):
+    name = f"{workload.name} {workload.num_params / 1e6:.2f}M"
+    print(f"window_time: {name}", file=sys.stderr, flush=True)
+    records[name] = measure_workload(workload, repeats)
+  return records

@@ -17,7 +17,7 @@ fails to initialise.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,7 +32,11 @@ from jax.sharding import (
 
 # The device description XLA:GPU compiles for: an H100 SXM (compute
 # capability 9.0, 132 SMs, 80 GB of HBM3 at 3.35 TB/s), as its CUDA driver
-# reports it, and the CUDA runtime the plugin is built for.
+# reports it, and the CUDA runtime the plugin is built for. The driver's
+# version matters: without one a compile-only device reports 0.0.0, and
+# XLA:GPU then keeps loops, conditionals and library calls (cuBLAS, cuDNN,
+# custom calls) out of command buffers, which a real H100 with a CUDA 13
+# driver captures; the program compiled here would not be the one it runs.
 H100 = """
 gpu_device_info {
   threads_per_block_limit: 1024
@@ -53,6 +57,7 @@ gpu_device_info {
   cuda_compute_capability { major: 9 }
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
+  driver_version: "13.0.0"
 }
 platform_name: "CUDA"
 runtime_version { major: 13 }
@@ -117,6 +122,7 @@ def compile_for_gpu(
   num_devices: int = 1,
   target: str = "h100",
   donate_argnums: int | Sequence[int] = (),
+  compiler_options: Mapping[str, Any] | None = None,
 ) -> jax.stages.Compiled:
   """Compiles ``fun(*args)`` with XLA:GPU, for GPUs this machine need not have.
 
@@ -139,6 +145,10 @@ def compile_for_gpu(
     donate_argnums: the arguments donated, as for ``jax.jit`` (donate the
       params and the optimizer state, as a training loop does: what the
       program copies depends on it).
+    compiler_options: XLA options for this compilation, as for
+      ``jax.jit(..., compiler_options=...)``: say
+      :func:`ga_optax.gpu_compiler_options`, to compile the step as a GPU
+      training loop would run it under that recipe.
 
   Returns:
     The compiled program: ``as_text()`` and ``memory_analysis()`` work, and
@@ -146,6 +156,7 @@ def compile_for_gpu(
 
   Raises:
     GpuCompilerUnavailable: the CUDA plugin cannot be used here.
+    TypeError: ``compiler_options`` is not a mapping.
     ValueError: the arguments are placed on meshes of different axes, or of
       another device count than ``num_devices``.
 
@@ -162,6 +173,12 @@ def compile_for_gpu(
     >>> testing.path_audit(compiled, "micro_step").copies  # doctest: +SKIP
     []
   """
+  if compiler_options is not None and not isinstance(compiler_options, Mapping):
+    raise TypeError(
+      "compiler_options must be a mapping of XLA option names to values, as"
+      " for jax.jit (say ga_optax.gpu_compiler_options()), got"
+      f" {type(compiler_options).__name__}."
+    )
   devices = gpu_devices(num_devices, target=target)
   mesh = _gpu_mesh(args, devices)
 
@@ -176,7 +193,8 @@ def compile_for_gpu(
     return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
   abstract_args = jax.tree.map(abstract, args)
-  jitted = jax.jit(fun, donate_argnums=donate_argnums)
+  options = None if compiler_options is None else dict(compiler_options)
+  jitted = jax.jit(fun, donate_argnums=donate_argnums, compiler_options=options)
   if mesh is None:
     return jitted.trace(*abstract_args).lower().compile()
   with jax.set_mesh(mesh):

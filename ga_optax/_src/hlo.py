@@ -299,6 +299,9 @@ def reachable(
 
 
 _SIDE_OPS = {"while": "while", "conditional": "cond"}
+# Scopes JAX adds around the ops of a call it inlines (jax 0.12 evaluates a
+# closed-over jaxpr under ``eval_jaxpr``): they name no op of their own.
+_CALL_SCOPES = frozenset({"eval_jaxpr"})
 
 
 def window_side(instruction: HloInstruction) -> str | None:
@@ -307,8 +310,9 @@ def window_side(instruction: HloInstruction) -> str | None:
   Each side of ga_optax's window is a loop of at most one trip (a
   conditional on the CPU), a branch rather than a loop, named by a scope of
   :mod:`ga_optax._src.run_once`: its ``op_name`` ends in that scope and the
-  op, possibly through the platform choice (``cond/branch_N_fun``). Loops
-  and conditionals inside a side's body are not sides.
+  op, possibly through the platform choice (``cond/branch_N_fun``) and
+  scopes JAX adds around a call (``eval_jaxpr``). Loops and conditionals
+  inside a side's body are not sides.
   """
   op = _SIDE_OPS.get(instruction.opcode)
   if op is None:
@@ -321,7 +325,9 @@ def window_side(instruction: HloInstruction) -> str | None:
   ]
   if not found:
     return None
-  after = scopes[found[-1] + 1 :]
+  after = [
+    scope for scope in scopes[found[-1] + 1 :] if scope not in _CALL_SCOPES
+  ]
   through_choice = (
     len(after) == 3 and after[0] == "cond" and after[1].startswith("branch_")
   )

@@ -175,12 +175,17 @@ def test_window_of_only_skipped_micro_steps_flushes_to_zeros_without_a_step(
 
 
 def assert_close_in_each_dtype(actual, expected, rtol, atol=0.0):
-  """Close within ``rtol``, or one unit in the last place of a leaf's dtype
-  where that is coarser.
+  """Close within ``rtol``, or a few units in the last place of a leaf's
+  dtype where that is coarser.
 
-  The two sides are compiled differently, and XLA:GPU keeps bfloat16 values
-  in float32 inside a fusion: on an H100 one side rounded a bfloat16 update
-  once more than the other (-0.09229 against -0.09277, one bfloat16 step).
+  The two sides are compiled differently, and XLA keeps bfloat16 values in
+  float32 where it fuses them: on an H100 one side rounded a bfloat16 update
+  once more than the other (-0.09229 against -0.09277, one bfloat16 step),
+  and XLA:CPU does the same inside a loop body, which is where the window's
+  loop form runs the optimizer (``0.1 * g + 0.9 * mu`` for bfloat16 0.1108
+  and -0.8867 is 0.010864 in a ``while`` body, 0.010742 outside it). Adam
+  divides by the square root of such moments, so an update may move by two
+  steps.
   """
   chex.assert_trees_all_equal_structs(actual, expected)
   for got, want in zip(
@@ -190,6 +195,8 @@ def assert_close_in_each_dtype(actual, expected, rtol, atol=0.0):
     ulp = (
       float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.inexact) else 0.0
     )
+    # A float32 leaf is held to rtol; a bfloat16 one to two of its steps.
+    ulp *= 2
     chex.assert_trees_all_close(got, want, rtol=max(rtol, ulp), atol=atol)
 
 

@@ -101,9 +101,40 @@ def _unstack(tree: Any, size: int) -> list[Any]:
 
 def _assert_runs_close(actual, expected):
   # Compiled differently (batched, eager, scanned), the float32 arithmetic
-  # may round differently; bfloat16 leaves keep their own precision.
+  # may round differently. So may bfloat16 arithmetic inside a loop body,
+  # which XLA keeps in float32 (the window's loop form, what GPUs run):
+  # bfloat16 leaves are held to a few of their own steps, over a whole run.
   chex.assert_trees_all_equal_dtypes(actual, expected)
-  chex.assert_trees_all_close(actual, expected, rtol=1e-5, atol=1e-6)
+  actual, expected = (
+    _without_stale_buffers(actual),
+    _without_stale_buffers(expected),
+  )
+  for got, want in zip(
+    jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+  ):
+    if jnp.result_type(got) == jnp.bfloat16:
+      rtol = 4 * float(jnp.finfo(jnp.bfloat16).eps)
+    else:
+      rtol = 1e-5
+    chex.assert_trees_all_close(got, want, rtol=rtol, atol=1e-6)
+
+
+def _without_stale_buffers(run: Any) -> Any:
+  """``run`` with the accumulator of a closed window zeroed.
+
+  Between windows the accumulator's buffer holds whatever the closing side
+  left there (its updates, say), which the next micro-step overwrites: no
+  number of the run depends on it.
+  """
+
+  def clear(node: Any) -> Any:
+    if isinstance(node, ga_optax.AccumulateState) and int(node.micro_step) == 0:
+      return node._replace(accumulator=optax.tree.zeros_like(node.accumulator))
+    return node
+
+  return jax.tree.map(
+    clear, run, is_leaf=lambda node: isinstance(node, ga_optax.AccumulateState)
+  )
 
 
 def test_the_runs_do_drift_out_of_phase():

@@ -15,10 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jax_core
 import numpy as np
 import optax
 import pytest
+from jax.extend import core as jax_core
 
 import ga_optax
 from ga_optax._src import window_form
@@ -197,9 +197,7 @@ def test_reverse_mode_through_the_fused_path(form):
 
   learning_rate = jnp.asarray(0.05)
   derivative = jax.jit(jax.grad(run))(learning_rate)
-  expected = jax.grad(lambda lr: large_batch_run(lr, optax.adam))(
-    learning_rate
-  )
+  expected = jax.grad(lambda lr: large_batch_run(lr, optax.adam))(learning_rate)
   assert np.isfinite(derivative)
   np.testing.assert_allclose(derivative, expected, rtol=2e-5, atol=1e-7)
 

@@ -10,6 +10,7 @@ from ga_optax._src.elastic import (
   valid_device_counts,
 )
 from ga_optax._src.flax_utils import apply_gradients
+from ga_optax._src.gpu_recipe import gpu_compiler_options
 from ga_optax._src.loss_scaling import (
   DynamicLossScaleState,
   dropped_windows,
@@ -77,6 +78,7 @@ __all__ = [
   "elastic_plan",
   "emitted",
   "goodput_k",
+  "gpu_compiler_options",
   "loss_scale",
   "micro_step_bytes",
   "microbatched_value_and_grad",

@@ -23,6 +23,9 @@ compiler for GPUs this machine need not have (an H100 by default; it needs
 JAX's CUDA plugin), and :func:`path_audit` reads what a compiled step does
 on a micro-step and on the call that closes a window: bytes moved, copies,
 collectives, and closing work the compiler moved out of the closing side.
+:func:`host_waits` counts, per path, how often the compiled step makes the
+host wait for the GPU (a loop or conditional outside a CUDA graph), under
+XLA's defaults or :func:`ga_optax.gpu_compiler_options`.
 Where the plugin is missing, :func:`gpu_conditional_audit` still emulates
 on any backend what XLA:GPU does to a program's conditionals.
 """
@@ -69,6 +72,7 @@ from ga_optax._src.hlo_audits import (
   loop_collectives,
   window_collectives,
 )
+from ga_optax._src.host_waits import HostWaits, count_host_waits, host_waits
 from ga_optax._src.transform import accumulate
 from ga_optax._src.tree_difference import (
   PathFilter,
@@ -89,15 +93,18 @@ __all__ = [
   "GpuCompilerUnavailable",
   "HloInstruction",
   "HloModule",
+  "HostWaits",
   "PathAudit",
   "WindowCollectives",
   "assert_equivalent_to_large_batch",
   "collectives_in_hlo",
   "compare_with_large_batch",
   "compile_for_gpu",
+  "count_host_waits",
   "dot_shapes",
   "gpu_conditional_audit",
   "gpu_devices",
+  "host_waits",
   "loop_collectives",
   "max_relative_difference",
   "parse_hlo",

@@ -1,28 +1,30 @@
 """XLA:GPU for the tests: a step compiled for compile-only H100s, or a skip.
 
 Shared by the tests that read an H100-compiled program
-(tests/test_gpu_program.py, tests/test_fp8.py, tests/test_window_sizes.py).
-Where JAX's CUDA plugin is missing the test is skipped with how to install
-it, except in CI, which installs the plugin: there it fails.
+(tests/test_gpu_program.py, tests/test_host_waits.py, tests/test_fp8.py,
+tests/test_window_sizes.py). Where JAX's CUDA plugin is missing the test is
+skipped with how to install it, except in CI, which installs the plugin:
+there it fails.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from ga_optax import testing
 
+Result = TypeVar("Result")
 
-def compiled_for_gpu(
-  step: Callable[..., Any], *args: Any, **options: Any
-) -> Any:
-  """``testing.compile_for_gpu(step, *args, **options)``, or a skip."""
+
+def _or_skip(
+  compile_: Callable[..., Result], *args: Any, **options: Any
+) -> Result:
   try:
-    return testing.compile_for_gpu(step, *args, **options)
+    return compile_(*args, **options)
   except testing.GpuCompilerUnavailable as error:
     if os.environ.get("CI"):
       raise
@@ -30,3 +32,17 @@ def compiled_for_gpu(
       f"{error} To run this test: pip install 'jax[cuda13]' and run pytest"
       " with JAX_PLATFORMS=cpu (tests/conftest.py sets it)."
     )
+
+
+def compiled_for_gpu(
+  step: Callable[..., Any], *args: Any, **options: Any
+) -> Any:
+  """``testing.compile_for_gpu(step, *args, **options)``, or a skip."""
+  return _or_skip(testing.compile_for_gpu, step, *args, **options)
+
+
+def host_waits_on_gpu(
+  step: Callable[..., Any], *args: Any, **options: Any
+) -> testing.HostWaits:
+  """``testing.host_waits(step, *args, **options)``, or a skip."""
+  return _or_skip(testing.host_waits, step, *args, **options)

@@ -1,9 +1,15 @@
 """The program XLA:GPU compiles for an H100 keeps the window's promises.
 
 Every step here is compiled by the real XLA:GPU compiler for compile-only
-H100 devices (:func:`ga_optax.testing.compile_for_gpu`), under XLA's
-default flags, params and state donated as a training loop donates them;
-nothing runs. On the compiled program (:func:`ga_optax.testing.path_audit`):
+H100 devices with a CUDA 13 driver (:func:`ga_optax.testing.host_waits`,
+which compiles as :func:`ga_optax.testing.compile_for_gpu` does and reads
+the thunks XLA:GPU built), under the recipe
+:func:`ga_optax.gpu_compiler_options`, params and state donated as a
+training loop donates them; nothing runs. The recipe decides how the
+program is launched (which thunks a CUDA graph captures), not what it
+computes: under XLA's defaults the same instructions compile, which is
+checked on a step of each kind. On the compiled program
+(:func:`ga_optax.testing.path_audit`):
 
 * both sides of the window are there, and nothing compiled from the
   closing side runs on a micro-step (the optimizer steps only when a window
@@ -12,12 +18,17 @@ nothing runs. On the compiled program (:func:`ga_optax.testing.path_audit`):
 * on 8 GPUs a micro-step exchanges scalars at most, and the window's one
   reduction (a reduce-scatter under ZeRO-1) runs when it closes;
 * bytes moved, against ``optax.MultiSteps``, a plain Adam step and a
-  hand-written ``lax.scan`` window, meet the targets of docs/benchmarks.md.
+  hand-written ``lax.scan`` window, meet the targets of docs/benchmarks.md;
+* the host never waits for the GPU: both sides of the window run inside a
+  CUDA graph, on a micro-step and when a window closes.
 
-Two planted controls show that the audits can fail: the conditional window
-of earlier releases copies the optimizer state on every micro-step, and a
-window whose sides became selects (what XLA:GPU makes of a conditional of
-cheap ops, from December 2025) runs the optimizer on every one.
+Planted controls show that the audits can fail: the conditional window of
+earlier releases copies the optimizer state on every micro-step; a window
+whose sides became selects (what XLA:GPU makes of a conditional of cheap
+ops, from December 2025) runs the optimizer on every one; under XLA's
+defaults the host drives both sides of the window (3 waits per
+micro-step), and on 8 GPUs a recipe without collectives leaves the closing
+side, which holds the reduction, on the host.
 
 The CUDA plugin holds the compiler: CI installs it and these tests must run
 there; elsewhere they are skipped with the command that enables them.
@@ -35,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from gpu_compiler import compiled_for_gpu
+from gpu_compiler import compiled_for_gpu, host_waits_on_gpu
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -49,6 +60,13 @@ WIDTH = 512
 # Scalars (a loss, a weight, a finiteness flag) may cross devices on a
 # micro-step; nothing of a parameter's size may.
 SCALAR_BYTES = 64
+# How the tests compile: under the recipe, under XLA's defaults, and under
+# the recipe without collectives.
+OPTIONS = {
+  "recipe": ga_optax.gpu_compiler_options(),
+  "default": None,
+  "without_collectives": ga_optax.gpu_compiler_options(collectives=False),
+}
 
 
 def params_of(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
@@ -132,6 +150,11 @@ ONE_GPU = {
 }
 
 
+def assert_the_host_never_waits(waits: testing.HostWaits) -> None:
+  assert (waits.micro_step, waits.closing) == (0, 0), waits[:4]
+  assert waits.on_host == (), waits.top_level
+
+
 def assert_the_window_keeps_its_promises(program: Any) -> None:
   sides = testing.window_sides(program)
   assert sides["keep_open"] == 1, sides
@@ -146,9 +169,9 @@ def assert_the_window_keeps_its_promises(program: Any) -> None:
 
 @pytest.mark.parametrize("case", sorted(ONE_GPU))
 def test_one_gpu(case):
-  step, args = ONE_GPU[case]()
-  program = compiled_for_gpu(step, *args, donate_argnums=(0, 1))
-  assert_the_window_keeps_its_promises(program)
+  waits, _ = compiled(case)
+  assert_the_window_keeps_its_promises(waits.program)
+  assert_the_host_never_waits(waits)
 
 
 # Eight GPUs of one host: the data-parallel modes.
@@ -300,14 +323,33 @@ def assert_one_reduction_when_closing(
     assert opcodes == {"all-reduce"}, reductions
 
 
+@functools.cache
+def compiled(case: str, options: str = "recipe") -> tuple[Any, tuple]:
+  """A case of the matrix compiled once per options, and its arguments."""
+  if case in ONE_GPU:
+    step, args = ONE_GPU[case]()
+    waits = host_waits_on_gpu(
+      step, *args, donate_argnums=(0, 1), compiler_options=OPTIONS[options]
+    )
+    return waits, args
+  with jax.set_mesh(mesh_of(AxisType.Explicit)):
+    step, args = {**EXPLICIT_CASES, **SHARD_MAP_CASES}[case]()
+    waits = host_waits_on_gpu(
+      step,
+      *args,
+      num_devices=DEVICES,
+      donate_argnums=(0, 1),
+      compiler_options=OPTIONS[options],
+    )
+  return waits, args
+
+
 @pytest.mark.parametrize("case", sorted(EXPLICIT_CASES))
 def test_eight_gpus_under_plain_jit(case):
-  with jax.set_mesh(mesh_of(AxisType.Explicit)):
-    step, args = EXPLICIT_CASES[case]()
-    program = compiled_for_gpu(
-      step, *args, num_devices=8, donate_argnums=(0, 1)
-    )
+  waits, args = compiled(case)
+  program = waits.program
   assert_the_window_keeps_its_promises(program)
+  assert_the_host_never_waits(waits)
   assert_one_reduction_when_closing(
     program, args[1], zero=case.startswith("zero1")
   )
@@ -315,12 +357,10 @@ def test_eight_gpus_under_plain_jit(case):
 
 @pytest.mark.parametrize("case", sorted(SHARD_MAP_CASES))
 def test_eight_gpus_under_shard_map(case):
-  with jax.set_mesh(mesh_of(AxisType.Explicit)):
-    step, args = SHARD_MAP_CASES[case]()
-    program = compiled_for_gpu(
-      step, *args, num_devices=8, donate_argnums=(0, 1)
-    )
+  waits, args = compiled(case)
+  program = waits.program
   assert_the_window_keeps_its_promises(program)
+  assert_the_host_never_waits(waits)
   if case.endswith("check_vma_False"):
     assert_one_reduction_when_closing(program, args[1], zero=False)
     return
@@ -333,6 +373,46 @@ def test_eight_gpus_under_shard_map(case):
   assert [c for c in closing.collectives if c not in summed] == [
     c for c in closing.collectives if c.operand_bytes <= SCALAR_BYTES
   ]
+
+
+# The window under XLA's defaults: the same program, launched with its loops
+# on the host. A step of each kind: one GPU, a reduction in the closing side
+# under plain jit, and a closing side nested in another (shard_map, whose
+# window weight is known only after its reduction).
+DEFAULT_CONTROLS = ("adam", "unreduced", "shard_map_update_check_vma_False")
+
+
+@pytest.mark.parametrize("case", DEFAULT_CONTROLS)
+def test_under_xla_defaults_the_host_drives_each_side(case):
+  default, _ = compiled(case, "default")
+  recipe, _ = compiled(case, "recipe")
+  # The recipe changes how the program is launched, not what it computes:
+  # the figures above, taken under the recipe, are also XLA's defaults'.
+  assert (
+    testing.parse_hlo(default.program.as_text()).computations
+    == testing.parse_hlo(recipe.program.as_text()).computations
+  )
+  closing_sides = testing.window_sides(default.program)["close_window"]
+  assert len(default.on_host) == 1 + closing_sides, default.top_level
+  # The side a call runs waits before its one trip and after it; each
+  # side it skips, once.
+  assert default.micro_step == 2 + 1
+  assert default.closing == 1 + 2 * closing_sides
+
+
+def test_without_collectives_the_closing_side_stays_on_the_host():
+  """On 8 GPUs the window's reduction sits in the closing side's loop."""
+  waits, _ = compiled("unreduced", "without_collectives")
+  (closing_side,) = waits.on_host
+  module = testing.parse_hlo(waits.program.as_text())
+  loops = {
+    instruction.name: instruction
+    for instructions in module.computations.values()
+    for instruction in instructions
+    if instruction.opcode == "while"
+  }
+  assert run_once.CLOSE_WINDOW in loops[closing_side].op_name.split("/")
+  assert (waits.micro_step, waits.closing) == (1, 2)
 
 
 # Bytes moved on the reference MLP's steps (4 x 1024^2 here, to compile
@@ -353,13 +433,26 @@ def load_benchmark(name: str) -> Any:
   return module
 
 
-def test_bytes_moved_meet_the_targets():
+@pytest.mark.parametrize("options", ["recipe", "default"])
+def test_bytes_moved_meet_the_targets(options, monkeypatch):
   benchmark = load_benchmark("compiled")
+  # The baselines (MultiSteps, plain Adam, the floor) have no window: the
+  # benchmark reads each as what every call runs.
+  monkeypatch.setattr(
+    testing,
+    "path_audit",
+    functools.partial(testing.path_audit, require_window=False),
+  )
   workload = benchmark.workloads_lib.mlp(1024, 4, 8, 4)
   records = {
     name: benchmark.audit(
       compiled_for_gpu(
-        step, workload.params, state, batch, donate_argnums=(0, 1)
+        step,
+        workload.params,
+        state,
+        batch,
+        donate_argnums=(0, 1),
+        compiler_options=OPTIONS[options],
       )
     )
     for name, (step, state, batch) in benchmark.steps(workload).items()

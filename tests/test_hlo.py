@@ -478,3 +478,55 @@ def test_parse_hlo_rejects_text_without_an_entry():
 )
 def test_shape_bytes(shape, expected):
   assert shape_bytes(shape) == expected
+
+
+# A window's micro-step that copies a buffer to host memory asynchronously:
+# XLA prints the copy as a ``copy-start`` / ``copy-done`` pair, the start's
+# result a tuple of the destination, the source and a context.
+ASYNC_COPY_TEXT = """\
+HloModule jit_step, is_scheduled=true
+
+%side_cond (c: (pred[], f32[8])) -> pred[] {
+  %c = (pred[], f32[8]{0}) parameter(0)
+  ROOT %go = pred[] get-tuple-element(%c), index=0
+}
+
+%side_body (b: (pred[], f32[8])) -> (pred[], f32[8]) {
+  ROOT %b = (pred[], f32[8]{0}) parameter(0)
+}
+
+ENTRY %main (p: f32[256], q: (pred[], f32[8])) -> f32[256] {
+  %p = f32[256]{0} parameter(0)
+  %q = (pred[], f32[8]{0}) parameter(1)
+  %opened = (pred[], f32[8]{0}) while(%q), condition=%side_cond, body=%side_body, metadata={op_name="jit(step)/ga_optax_keep_open/while"}
+  %copy-start = (f32[256]{0:S(5)}, f32[256]{0}, u32[]) copy-start(%p)
+  ROOT %copy-done = f32[256]{0:S(5)} copy-done(%copy-start)
+}
+"""
+
+
+def test_path_audit_counts_an_asynchronous_copy_once():
+  audit = testing.path_audit(ASYNC_COPY_TEXT, "micro_step")
+  assert audit.copies == [testing.Copy("main", "copy-start", 1024)]
+  # Read once and written once, as a copy: not its tuple's 2 KiB and more.
+  assert audit.bytes_moved == 2 * 1024
+
+
+def test_path_audit_refuses_a_step_without_a_window():
+  def adamw_step(params, grads):
+    return params - 1e-3 * grads
+
+  params = jnp.ones((8, 8))
+  program = jax.jit(adamw_step).lower(params, params).compile()
+  with pytest.raises(ValueError, match="no ga_optax window") as refused:
+    testing.path_audit(program, "micro_step")
+  # The message says what to compare instead.
+  assert "require_window=False" in str(refused.value)
+  assert "optax.MultiSteps" in str(refused.value)
+  # Audited as a baseline, both paths are the whole program.
+  micro_step, closing = (
+    testing.path_audit(program, path, require_window=False)
+    for path in ("micro_step", "closing")
+  )
+  assert micro_step == closing._replace(path="micro_step")
+  assert micro_step.bytes_moved >= 3 * params.nbytes

@@ -15,7 +15,8 @@ path and reports what it executes there:
   micro-step, the last when a window closes: ``lax.cond``'s false and true
   branches), and parameters, constants, tuples, bitcasts and the like move
   nothing. A loop of unknown trip count outside the window counts once.
-* copies: ``copy`` instructions, which a donated state should never need;
+* copies: ``copy`` instructions and asynchronous ``copy-start`` ones (to
+  or from host memory, say), which a donated state should never need;
 * collectives, with the bytes each sends;
 * closing work done outside the closing side: instructions compiled from
   the closing side (its scope is in their ``op_name``) that the compiler
@@ -68,12 +69,12 @@ _SCALAR_TRAFFIC = 64
 
 
 class Copy(NamedTuple):
-  """A ``copy`` on a path of a compiled program.
+  """A ``copy`` (or asynchronous ``copy-start``) on a path of a program.
 
   Attributes:
     computation: the computation that holds it.
     name: the instruction's name.
-    bytes: the bytes it copies (its result's).
+    bytes: the bytes it writes.
   """
 
   computation: str
@@ -108,7 +109,11 @@ class PathAudit(NamedTuple):
     return sum(copy.bytes for copy in self.copies if copy.bytes >= at_least)
 
 
-def _trips(instruction: HloInstruction, path: Path) -> int:
+def trips_on_path(instruction: HloInstruction, path: Path) -> int:
+  """The trips a loop makes on ``path``: a window side's 0 or 1, else XLA's.
+
+  A loop of unknown trip count outside the window counts once.
+  """
   side = window_side(instruction)
   if side is not None:
     runs = (side == run_once.CLOSE_WINDOW) == (path == "closing")
@@ -116,7 +121,11 @@ def _trips(instruction: HloInstruction, path: Path) -> int:
   return instruction.trip_count if instruction.trip_count is not None else 1
 
 
-def _taken_branches(instruction: HloInstruction, path: Path) -> list[str]:
+def branches_taken(instruction: HloInstruction, path: Path) -> list[str]:
+  """The computations a control-flow instruction runs on ``path``.
+
+  All its callees, but for a conditional: the branch the path takes.
+  """
   if instruction.opcode != "conditional":
     return list(instruction.callees)
   side = window_side(instruction)
@@ -167,7 +176,9 @@ def as_module(program: Any) -> HloModule:
   )
 
 
-def path_audit(program: Any, path: Path) -> PathAudit:
+def path_audit(
+  program: Any, path: Path, *, require_window: bool = True
+) -> PathAudit:
   """Walks ``program`` along one path and reports what it executes there.
 
   Args:
@@ -175,13 +186,20 @@ def path_audit(program: Any, path: Path) -> PathAudit:
       :func:`ga_optax.testing.compile_for_gpu`'s result), its text, or a
       module from :func:`ga_optax.testing.parse_hlo`.
     path: ``"micro_step"`` (the window stays open) or ``"closing"``.
+    require_window: refuse a program that holds no ga_optax window. A step
+      without one (``optax.MultiSteps``, a plain optimizer step) has no
+      paths to tell apart: both are the whole program, and its
+      ``misplaced_closing_work`` is empty even where the optimizer runs on
+      every call. Pass False to audit such a step as the baseline a
+      window's paths are compared with.
 
   Returns:
     A :class:`PathAudit`.
 
   Raises:
     TypeError: ``program`` is not a compiled program, its text or a module.
-    ValueError: ``path`` is not one of the two.
+    ValueError: ``path`` is not one of the two, or ``program`` holds no
+      ga_optax window and ``require_window`` is True.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, ga_optax
@@ -202,6 +220,17 @@ def path_audit(program: Any, path: Path) -> PathAudit:
   if path not in PATHS:
     raise ValueError(f"path must be one of {PATHS}, got {path!r}.")
   module = as_module(program)
+  if require_window and not _holds_a_window(module):
+    raise ValueError(
+      "program holds no ga_optax window (no instruction compiled under"
+      f" {run_once.KEEP_OPEN!r} or {run_once.CLOSE_WINDOW!r}), so it has no"
+      " micro-step and closing paths: every call runs the whole program,"
+      " optimizer included. Audit the step built on ga_optax.accumulate (or"
+      " accumulate_and_apply) instead; to compare it with a step without a"
+      " window (optax.MultiSteps, a plain optimizer step), audit that step"
+      " with path_audit(program, path, require_window=False), which reads"
+      " the whole program as what every call runs."
+    )
   total = 0
   copies: list[Copy] = []
   collectives: list[Collective] = []
@@ -216,21 +245,25 @@ def path_audit(program: Any, path: Path) -> PathAudit:
     for instruction in instructions:
       opcode = instruction.opcode
       if opcode in _CONTROL_FLOW:
-        runs = _trips(instruction, path) if opcode == "while" else 1
+        runs = trips_on_path(instruction, path) if opcode == "while" else 1
         closing_side = window_side(instruction) == run_once.CLOSE_WINDOW
-        for callee in _taken_branches(instruction, path):
+        for callee in branches_taken(instruction, path):
           walk(callee, trips * runs, in_closing_side or closing_side)
         continue
       if opcode in _NO_TRAFFIC or opcode.endswith("-done") or not trips:
         continue
-      moved = shape_bytes(instruction.shape) + sum(
+      read = sum(
         shape_bytes(shapes.get(operand, "")) for operand in instruction.operands
       )
+      # An asynchronous copy's result is a tuple of the destination, the
+      # source and a context: what it writes is its operand, once.
+      written = (
+        read if opcode == "copy-start" else shape_bytes(instruction.shape)
+      )
+      moved = read + written
       total += trips * moved
       if opcode in _COPY_OPCODES:
-        copies.append(
-          Copy(computation, instruction.name, shape_bytes(instruction.shape))
-        )
+        copies.append(Copy(computation, instruction.name, written))
       if opcode in COLLECTIVE_OPCODES:
         operand_bytes = sum(
           shape_bytes(shapes.get(operand, ""))
@@ -249,6 +282,20 @@ def path_audit(program: Any, path: Path) -> PathAudit:
 
   walk(module.entry, 1, False)
   return PathAudit(path, total, copies, collectives, misplaced)
+
+
+def _holds_a_window(module: HloModule) -> bool:
+  """Whether any instruction was compiled from a side of a window.
+
+  The sides' loops, or what the compiler made of them: their work hoisted
+  out, or selects where their conditional was.
+  """
+  scopes = {run_once.KEEP_OPEN, run_once.CLOSE_WINDOW}
+  return any(
+    not scopes.isdisjoint(instruction.op_name.split("/"))
+    for instructions in module.computations.values()
+    for instruction in instructions
+  )
 
 
 def window_sides(program: Any) -> dict[str, int]:

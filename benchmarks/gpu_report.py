@@ -297,18 +297,6 @@ def peak_memory_section(quick: bool) -> Record:
   }
 
 
-def window_time_lines(records: Record) -> list[str]:
-  def caption(name: str, record: Record) -> str:
-    recipe = "" if record["gpu_recipe"] else "; no GPU recipe in this ga_optax"
-    return f"{name}: {record['description']}{recipe}"
-
-  return [
-    line
-    for name, record in records.items()
-    for line in table(record["rows"], caption(name, record))
-  ]
-
-
 def sections(args: argparse.Namespace, report: Record) -> list[Section]:
   device = jax.devices()[0]
   here = f"{device.platform}: {device.device_kind} x {jax.device_count()}"
@@ -321,7 +309,8 @@ def sections(args: argparse.Namespace, report: Record) -> list[Section]:
             lambda: compiled_section(quick, compile_for_h100),
             lambda record: compiled_lines(record, "H100")),
     Section("window_time", here, lambda: window_lib.measure(quick, repeats),
-            window_time_lines),
+            lambda records: per_workload({record["caption"]: record["rows"]
+                                          for record in records.values()})),
     Section("cond_window", f"{here}, and {H100}",
             lambda: cond_lib.figures(quick),
             lambda record: table(record["rows"], record["workload"])),
@@ -389,12 +378,8 @@ def main(argv: list[str] | None = None) -> Record:
   # Headroom for the runtime's own buffers and fragmentation.
   parser.add_argument("--memory-fraction", type=float, default=0.9)
   parser.add_argument("--section", action="append", help="only these")
-  parser.add_argument(
-    "--budget-s",
-    type=float,
-    default=300.0,
-    help="start no section after this many seconds",
-  )
+  # A lent GPU's five minutes: no section starts after them.
+  parser.add_argument("--budget-s", type=float, default=300.0)
   args = parser.parse_args(argv)
   started = time.perf_counter()
   args.repeats = args.repeats or (2 if args.quick else 10)

@@ -132,33 +132,58 @@ class Runner:
     }
 
 
+def warm_up(runners: list[Runner]) -> tuple[list[Runner], Record, Record]:
+  """Compiles every contender's programs: those that compiled, the seconds
+  each first window took, and the errors of those that did not."""
+  ready, first_window_s, failed = [], {}, {}
+  for runner in runners:
+    name = runner.contender.name
+    print(f"  warming up {name}", file=sys.stderr, flush=True)
+    try:
+      first_window_s[name] = runner.warm_up()
+    except Exception as error:  # one contender must not cost the others
+      failed[name] = f"{type(error).__name__}: {error}"[:2000]
+    else:
+      ready.append(runner)
+  return ready, first_window_s, failed
+
+
+def over(value: float, reference: float | None) -> float | None:
+  return None if reference is None else value / reference
+
+
 def measure_workload(workload: workloads_lib.Workload, repeats: int) -> Record:
   """Every contender's medians on one workload, with the ratios."""
   options = gpu_options()
-  runners = [
-    Runner(contender, workload)
-    for contender in contenders_lib.window_contenders(workload, options)
-  ]
-  compile_s = {}
-  for runner in runners:
-    print(f"  warming up {runner.contender.name}", file=sys.stderr, flush=True)
-    compile_s[runner.contender.name] = runner.warm_up()
+  runners, first_window_s, failed = warm_up(
+    [
+      Runner(contender, workload)
+      for contender in contenders_lib.window_contenders(workload, options)
+    ]
+  )
   for round_index in range(repeats):
     shift = round_index % len(runners)
     for runner in runners[shift:] + runners[:shift]:
       runner.round()
   rows = [runner.result() for runner in runners]
   found = {row["contender"]: row for row in rows}
-  floor = found[contenders_lib.HOST_SCHEDULED]["micro_ms"]
-  multi_steps = found["optax.MultiSteps"]["window_ms"]
+  floor = found.get(contenders_lib.HOST_SCHEDULED, {}).get("micro_ms")
+  multi_steps = found.get("optax.MultiSteps", {}).get("window_ms")
   for row in rows:
-    row["micro_over_host_scheduled"] = row["micro_ms"] / floor
-    row["window_over_multi_steps"] = row["window_ms"] / multi_steps
+    row["micro_over_host_scheduled"] = over(row["micro_ms"], floor)
+    row["window_over_multi_steps"] = over(row["window_ms"], multi_steps)
+  caption = f"{workload.description}, {workload.num_params:,} params"
+  if options is None:
+    caption += "; no GPU recipe in this ga_optax"
+  if failed:
+    caption += f"; failed: {', '.join(failed)}"
   return {
+    "caption": caption,
     "description": workload.description,
     "num_params": workload.num_params,
     "gpu_recipe": options,
-    "first_window_s": compile_s,
+    "first_window_s": first_window_s,
+    "failed": failed,
     "rows": rows,
   }
 

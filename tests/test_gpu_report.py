@@ -12,6 +12,7 @@ say nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -28,7 +29,14 @@ import optax
 import pytest
 
 import ga_optax
-from benchmarks import compiled, cond_window, largest_batch, workloads
+from benchmarks import (
+  compiled,
+  cond_window,
+  contenders,
+  largest_batch,
+  window_time,
+  workloads,
+)
 from ga_optax import testing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -418,3 +426,28 @@ def test_the_cond_window_is_the_large_batch():
     state.inner_state, expected_state, rtol=2e-5, atol=1e-6
   )
   assert int(state.micro_step) == 0
+
+
+def test_a_window_that_fails_is_recorded_and_the_others_are_timed(
+  monkeypatch,
+):
+  build = contenders.window_contenders
+
+  def with_a_broken_one(workload, options):
+    def broken(*args):
+      raise RuntimeError("planted failure")
+
+    found = build(workload, options)
+    planted = dataclasses.replace(
+      found[0], name="broken", calls=(broken,) * workload.every_k
+    )
+    return [planted, *found]
+
+  monkeypatch.setattr(contenders, "window_contenders", with_a_broken_one)
+  record = window_time.measure_workload(workloads.mlp(64, 2, 8, 4), 1)
+  assert record["failed"] == {"broken": "RuntimeError: planted failure"}
+  assert record["caption"].endswith("; failed: broken")
+  names = [row["contender"] for row in record["rows"]]
+  assert names[:2] == ["plain Adam", "optax.MultiSteps"]
+  assert "broken" not in names
+  assert all(is_time(row["window_ms"]) for row in record["rows"])

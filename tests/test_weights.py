@@ -1,4 +1,10 @@
-"""Micro-batch weights: zero-weight windows, traced negatives, every dtype."""
+"""Micro-batch weights: zero-weight windows, traced negatives, every dtype.
+
+Negative weights have one rule in both paths, ``accumulate``'s ``weight=``
+and ``microbatched_value_and_grad``'s ``weight_fn``: a concrete one is
+refused, a traced one subtracts its micro-batch, and weights that sum to 0
+or less give zeros.
+"""
 
 from __future__ import annotations
 
@@ -147,3 +153,118 @@ def test_weights_of_every_numeric_dtype(make_weight, use_jit):
   chex.assert_trees_all_equal_dtypes(updates, PARAMS)
   assert state.weight_sum.dtype == jnp.float32
   assert float(state.weight_sum) == 0.0
+
+
+# One rule in both paths, against NumPy's gradients of each micro-batch.
+
+MICRO_BATCHES = 3
+ROWS = 2  # per micro-batch
+
+
+def _micro_batches(weights: list[float], nan_at: int | None) -> list[Any]:
+  rng = np.random.default_rng(11)
+  batches = []
+  for index, weight in enumerate(weights):
+    y = rng.normal(size=ROWS).astype(np.float32)
+    if index == nan_at:
+      y[:] = np.nan  # a 0 / 0 mean loss: its gradient is NaN
+    batches.append(
+      {
+        "x": rng.normal(size=(ROWS, 3)).astype(np.float32),
+        "y": y,
+        "w": np.full(ROWS, weight, np.float32),
+      }
+    )
+  return batches
+
+
+def _mean_loss(params: Any, batch: Any) -> jax.Array:
+  return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+def _numpy_gradient(params: Any, batch: Any) -> np.ndarray:
+  """The gradient of ``_mean_loss`` in NumPy, flattened as (w, b)."""
+  error = batch["x"] @ np.asarray(params["w"]) + float(params["b"]) - batch["y"]
+  return np.concatenate(
+    [2 * batch["x"].T @ error / len(error), [2 * error.mean()]]
+  )
+
+
+def _through_accumulate(params: Any, batches: list[Any]) -> np.ndarray:
+  tx = ga_optax.accumulate(optax.sgd(1.0), len(batches))
+  step = jax.jit(
+    lambda grads, state, weight: tx.update(grads, state, params, weight=weight)
+  )
+  state = tx.init(params)
+  for batch in batches:
+    grads = jax.grad(_mean_loss)(params, batch)
+    updates, state = step(grads, state, jnp.float32(batch["w"][0]))
+  return -np.concatenate([np.ravel(updates["w"]), np.ravel(updates["b"])])
+
+
+def _through_microbatched(params: Any, batches: list[Any]) -> np.ndarray:
+  # Micro-batch i holds rows i, i + k, ...: interleave the micro-batches.
+  batch = jax.tree.map(
+    lambda *leaves: np.stack(leaves, axis=1).reshape(-1, *leaves[0].shape[1:]),
+    *batches,
+  )
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    _mean_loss, len(batches), weight_fn=lambda batch: batch["w"][0]
+  )
+  _, grads = jax.jit(value_and_grad)(params, batch)
+  return np.concatenate([np.ravel(grads["w"]), np.ravel(grads["b"])])
+
+
+PATHS = {
+  "accumulate": _through_accumulate,
+  "microbatched_value_and_grad": _through_microbatched,
+}
+
+
+@pytest.mark.parametrize(
+  ("weights", "nan_at"),
+  [
+    ([1.0, -1.0, 3.0], None),  # the negative one subtracts
+    ([2.0, 0.0, 3.0], 1),  # weight 0 adds nothing, even a NaN gradient
+    ([-2.0, 0.0, 5.0], 1),
+    ([1.0, -3.0, 1.0], None),  # weights summing to below 0: zeros
+    ([2.0, -2.0, 0.0], 2),  # to 0: zeros
+  ],
+  ids=["negative", "zero_nan", "negative_and_zero", "sum_below_0", "sum_0"],
+)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_zero_and_traced_negative_weights_mean_the_same_in_both_paths(
+  path, weights, nan_at
+):
+  params = {"w": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray(0.05)}
+  batches = _micro_batches(weights, nan_at)
+  got = PATHS[path](params, batches)
+  total = sum(weights)
+  expected = np.zeros(4)
+  if total > 0:
+    expected = (
+      sum(
+        w * _numpy_gradient(params, batch)
+        for w, batch in zip(weights, batches, strict=True)
+        if w != 0
+      )
+      / total
+    )
+  assert np.all(np.isfinite(got)), got
+  np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6)
+
+
+def test_a_concrete_negative_weight_is_refused_in_both_paths():
+  params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+  batches = _micro_batches([1.0, 1.0, 1.0], None)
+  tx = ga_optax.accumulate(optax.sgd(1.0), 2)
+  with pytest.raises(ValueError, match="weight must be finite and >= 0"):
+    tx.update(params, tx.init(params), params, weight=-1.0)
+  batch = jax.tree.map(lambda *leaves: np.concatenate(leaves), *batches)
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    _mean_loss, MICRO_BATCHES, weight_fn=lambda batch: -1.0
+  )
+  with pytest.raises(
+    ValueError, match="weight_fn's weight must be finite and >= 0"
+  ):
+    value_and_grad(params, batch)

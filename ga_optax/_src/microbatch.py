@@ -190,8 +190,11 @@ def microbatched_value_and_grad(
       micro-batch (entry ``d * k + i``), sharded over the batch's axes.
     weight_fn: ``weight_fn(microbatch)`` returns the micro-batch's scalar
       weight >= 0, such as its number of real tokens. A boolean is a
-      ``TypeError``; a negative weight cannot be refused at trace time and
-      makes value and gradients NaN, never a plausible wrong number.
+      ``TypeError``. Negative weights follow the rule of
+      :func:`ga_optax.accumulate`'s ``weight=``: a concrete one (a constant)
+      is a ``ValueError``; a traced one, which cannot be seen, subtracts its
+      micro-batch from the sums; a batch whose weights sum to 0 or less
+      gives zeros.
     axis_name: the data-parallel axes, as everywhere in ga_optax: the
       axes the batch's rows are split over (a mesh axis name or a tuple of
       them). Under plain ``jit`` they are mesh axes (read from the batch's

@@ -119,7 +119,7 @@ class Sums(NamedTuple):
   Attributes:
     grads: ``sum(w_i * grad_i)``, a tree like the differentiated params.
     value: ``sum(w_i * value_i)``.
-    weight: ``sum(w_i)``; NaN once a negative weight was seen.
+    weight: ``sum(w_i)``.
     square: with ``noise_scale``, ``sum(w_i |grad_i|^2)``; else None.
     micro_batches: with ``noise_scale``, how many micro-batches had weight
       > 0; else None.
@@ -224,10 +224,11 @@ class Weighting(NamedTuple):
     )
 
   def weight_of(self, microbatch: Any) -> jax.Array:
-    """The micro-batch's weight; a negative one becomes NaN.
+    """The micro-batch's weight, by the rule of ``validation.check_weight``.
 
-    A negative weight cannot be refused at trace time; NaN makes it poison
-    the result instead of giving a plausible wrong number.
+    A concrete negative weight (``weight_fn`` returning a constant) is
+    refused; a traced one is used as given and subtracts its micro-batch,
+    as ``accumulate``'s ``weight=`` does.
     """
     weight_dtype = dtypes.weight_dtype(self.accumulator_dtype)
     if self.weight_fn is None:
@@ -251,17 +252,20 @@ class Weighting(NamedTuple):
         f" scalar such as a token count), got dtype {dtype}. A boolean"
         " mask must be summed first."
       )
-    weight = jnp.asarray(weight, weight_dtype)
-    return jnp.where(weight < 0, jnp.nan, weight)
+    if not isinstance(weight, jax.core.Tracer):
+      validation.check_weight(weight, "weight_fn's weight")
+    return jnp.asarray(weight, weight_dtype)
 
   def add(self, sums: Sums, value: Any, grads: Any, weight: jax.Array) -> Sums:
     """``sums`` with one micro-batch's value and gradient added, weighted."""
     # A weight-0 micro-batch may hold a 0 / 0 loss: select, not multiply.
-    has_weight = weight > 0
+    has_weight = weight != 0
+    # Only a positive weight makes a micro-gradient (and a float8 amax).
+    positive = weight > 0
     window = sums.fp8
     if window is not None:
       params_grads, latest = fp8.split_variables(grads)
-      window = fp8.combine(window, latest, has_weight.astype(jnp.float32))
+      window = fp8.combine(window, latest, positive.astype(jnp.float32))
       zeros = jax.tree.map(jnp.zeros_like, latest)
       grads = fp8.join_variables(grads, params_grads, zeros)
 
@@ -281,18 +285,21 @@ class Weighting(NamedTuple):
     if self.noise_scale:
       square = weight.astype(jnp.float32) * noise_lib.square_norm(grads)
       new_sums = new_sums._replace(
-        square=sums.square + jnp.where(has_weight, square, 0.0),
-        micro_batches=sums.micro_batches + has_weight.astype(jnp.int32),
+        square=sums.square + jnp.where(positive, square, 0.0),
+        micro_batches=sums.micro_batches + positive.astype(jnp.int32),
       )
     return new_sums
 
   def mean(self, sums: Sums, diff: Any) -> tuple[jax.Array, Any]:
     """``(value, grads)``: the sums over their weight, grads in diff's dtypes.
 
-    All-zero weights (a batch of padding only) give zeros, not 0 / 0; a NaN
-    weight (a negative one was seen) gives NaN.
+    Weights that sum to 0 or less (a batch of padding only, or one whose
+    traced negative weights outweigh the rest) give zeros, as such a window
+    of ``accumulate`` does.
     """
-    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)
+    scale = jnp.where(
+      sums.weight > 0, 1.0 / jnp.where(sums.weight > 0, sums.weight, 1.0), 0.0
+    )
     grads = jax.tree.map(
       lambda total, param: (total * scale.astype(total.dtype)).astype(
         jnp.result_type(param)

@@ -161,10 +161,13 @@ def accumulate(
     number or an array of any integer or floating dtype, traced or not. A
     micro-step of weight 0 adds nothing, even where its gradient is NaN (the
     mean loss of an all-padding micro-batch); it counts toward k unless
-    ``skip_nonfinite`` drops it. A concrete weight is checked; a traced one
-    cannot be and is used as given, so a negative traced weight subtracts
-    its micro-batch. A window whose weights sum to 0 or less emits zeros and
-    does not step ``optimizer``.
+    ``skip_nonfinite`` drops it. Negative weights have one rule here and in
+    :func:`ga_optax.microbatched_value_and_grad`'s ``weight_fn``: a
+    concrete one is a ``ValueError``; a traced one cannot be seen and is
+    used as given, so it subtracts its micro-batch (traced weights 1, -1
+    and 3 on gradients g1, g2, g3 emit ``(g1 - g2 + 3 g3) / 3``). A window
+    whose weights sum to 0 or less emits zeros and does not step
+    ``optimizer``.
   * ``flush``: a Python bool or boolean scalar; when true the window closes
     now, normalised by what it holds. A window that holds no weight emits
     zeros and does not step ``optimizer``.

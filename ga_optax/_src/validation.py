@@ -158,16 +158,41 @@ def _check_unreduced(
   )
 
 
-def check_weight(weight: Any) -> jax.Array | float:
-  """Checks a micro-batch weight; concrete values must be finite and >= 0.
+def check_weight(weight: Any, name: str = "weight") -> jax.Array | float:
+  """Checks a micro-batch weight, by the one rule of both paths.
 
-  A traced weight cannot be inspected; its value is the caller's promise.
+  The rule for ``accumulate``'s ``weight=`` and for what
+  ``microbatched_value_and_grad``'s ``weight_fn`` returns:
+
+  * a weight is a real scalar (a boolean is refused);
+  * a concrete one (a Python number, a NumPy scalar, a JAX array with a
+    value) must be finite and >= 0, else ``ValueError``;
+  * a traced one cannot be seen and is used as given: a negative weight
+    subtracts its micro-batch, ``w_i g_i`` and ``w_i`` entering the sums;
+  * weight 0 adds nothing, even where the gradient is NaN (the 0 / 0 mean
+    loss of an all-padding micro-batch);
+  * a window (a batch, in the in-step path) whose weights sum to 0 or less
+    emits zeros; ``accumulate`` does not step its optimizer then;
+  * only micro-batches of positive weight are micro-gradients of the
+    gradient noise scale.
+
+  Args:
+    weight: the weight.
+    name: how the messages name it.
+
+  Returns:
+    ``weight`` itself.
+
+  Raises:
+    TypeError: a boolean, or not a real scalar.
+    ValueError: not a scalar, or a concrete value that is negative or not
+      finite.
   """
   if isinstance(weight, bool) or (
     hasattr(weight, "dtype") and jnp.dtype(weight.dtype) == jnp.bool_
   ):
     raise TypeError(
-      "weight must be a real number (for example the micro-batch's token"
+      f"{name} must be a real number (for example the micro-batch's token"
       f" count), got a boolean {weight!r}."
     )
   if isinstance(weight, numbers.Real):
@@ -175,12 +200,12 @@ def check_weight(weight: Any) -> jax.Array | float:
   else:
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
       raise TypeError(
-        "weight must be a real scalar (a Python number or a 0-d array),"
+        f"{name} must be a real scalar (a Python number or a 0-d array),"
         f" got {type(weight).__name__}."
       )
     if jnp.shape(weight) != ():
       raise ValueError(
-        "weight must be a scalar (one weight per micro-batch), got shape"
+        f"{name} must be a scalar (one weight per micro-batch), got shape"
         f" {jnp.shape(weight)}. Sum per-example weights first."
       )
     if not (
@@ -188,14 +213,16 @@ def check_weight(weight: Any) -> jax.Array | float:
       or jnp.issubdtype(weight.dtype, jnp.floating)
     ):
       raise TypeError(
-        f"weight must have a real numeric dtype, got {weight.dtype}."
+        f"{name} must have a real numeric dtype, got {weight.dtype}."
       )
     if isinstance(weight, jax.core.Tracer):
       return weight
     value = float(np.asarray(weight))
   if not np.isfinite(value) or value < 0:
     raise ValueError(
-      f"weight must be finite and >= 0 (a count or a share), got {value}."
+      f"{name} must be finite and >= 0 (a count or a share), got {value}."
+      " Only a traced weight may be negative (it then subtracts its"
+      " micro-batch)."
     )
   return weight
 

@@ -194,3 +194,46 @@ def test_float16_adam_divides_by_zero_as_the_warning_says():
 def test_accumulate_warns_for_a_float16_optimizer_state():
   with pytest.warns(UserWarning, match="optimizer's state holds float16"):
     ga_optax.accumulate(optax.adam(1e-3), 4).init(params_of(F16))
+
+
+@pytest.mark.parametrize(
+  "make", [ga_optax.accumulate, ga_optax.accumulate_and_apply]
+)
+def test_an_adaptive_k_is_judged_by_its_largest_k(make):
+  # k starts at 2, far below bfloat16's 64, but may grow to 128.
+  caught = caught_warnings(
+    make,
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(2, max_k=128),
+    noise_scale_decay=0.9,
+    accumulator_dtype=BF16,
+  )
+  (warning,) = [w for w in caught if "accumulator_dtype" in str(w.message)]
+  assert "windows of k = 128 micro-steps" in str(warning.message)
+  assert not caught_warnings(
+    make,
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(2, max_k=32),
+    noise_scale_decay=0.9,
+    accumulator_dtype=BF16,
+  )
+
+
+@pytest.mark.parametrize(
+  ("dtype", "k", "advice"),
+  [
+    (BF16, 300, "accumulate in jnp.float32 (the default, which keeps 24"),
+    (F16, 600, "accumulate in jnp.float32 (the default, which keeps 24"),
+    (F32, 2**23, "accumulate in jnp.float64 (53 bits; it needs jax.config"),
+  ],
+)
+def test_the_accumulator_warning_advises_a_wider_dtype_than_its_own(
+  dtype, k, advice
+):
+  (caught,) = caught_warnings(
+    precision.warn_if_accumulator_too_narrow, dtype, k
+  )
+  message = str(caught.message)
+  assert advice in message
+  if dtype == F32:
+    assert "jnp.float32" not in message

@@ -126,11 +126,26 @@ def warn_if_accumulator_too_narrow(
     f"accumulator_dtype {jnp.dtype(accumulator_dtype).name} keeps {bits}"
     f" significant bits, too few for windows of {window_argument} ="
     f" {largest_k} micro-steps: {consequence}. Keep {window_argument} below"
-    f" {limit}, or accumulate in a wider dtype (jnp.float32, the default,"
-    " keeps 24 bits).",
+    f" {limit}{_wider_advice(accumulator_dtype)}.",
     UserWarning,
     stacklevel=stacklevel + 1,
   )
+
+
+def _wider_advice(accumulator_dtype: Any) -> str:
+  """How to widen the accumulator, or nothing where no wider float exists."""
+  bits = significand_bits(accumulator_dtype)
+  if bits < significand_bits(jnp.float32):
+    return (
+      ", or accumulate in jnp.float32 (the default, which keeps"
+      f" {significand_bits(jnp.float32)} bits)"
+    )
+  if bits < significand_bits(jnp.float64):
+    return (
+      ", or accumulate in jnp.float64 (53 bits; it needs"
+      ' jax.config.update("jax_enable_x64", True))'
+    )
+  return ""
 
 
 def _narrow_range_dtypes(tree: Any) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -106,3 +107,86 @@ def test_the_fixes_the_error_names_give_the_intended_schedule():
     expected = 2 if update_step < 10 else 4
     assert int(by_dict(jnp.int32(update_step))) == expected
     assert int(by_where(jnp.int32(update_step))) == expected
+
+
+# A callable's k below 1 acts as 1 everywhere: the window, lr_scaling's ratio
+# (whose first k is the schedule's at 0) and current_k.
+
+BELOW_ONE = {
+  "starts_at_zero": lambda update_step: update_step // 2,
+  "starts_at_minus_one": lambda update_step: update_step - 1,
+  "falls_to_zero": lambda update_step: jnp.maximum(2 - update_step, -3),
+}
+
+
+def numpy_run(schedule, gradients, lr_scaling):
+  """Windows of max(k, 1) micro-steps; SGD(1): minus the mean, times the
+  ratio of the window's k to the first window's."""
+  first_k = max(int(schedule(0)), 1)
+  index, update_step, ks, updates = 0, 0, [], []
+  while True:
+    k = max(int(schedule(update_step)), 1)
+    if index + k > len(gradients):
+      return ks, updates
+    ratio = {None: 1.0, "sqrt": np.sqrt(k / first_k), "linear": k / first_k}
+    updates.append(
+      -np.mean(gradients[index : index + k], axis=0) * ratio[lr_scaling]
+    )
+    ks.append(k)
+    index += k
+    update_step += 1
+
+
+@pytest.mark.parametrize("lr_scaling", [None, "sqrt", "linear"])
+@pytest.mark.parametrize("schedule", list(BELOW_ONE), ids=list(BELOW_ONE))
+def test_a_callable_k_below_one_acts_as_one_everywhere(schedule, lr_scaling):
+  every_k = BELOW_ONE[schedule]
+  rng = np.random.default_rng(0)
+  gradients = [
+    rng.uniform(0.5, 1.5, size=3).astype(np.float32) for _ in range(12)
+  ]
+  tx = ga_optax.accumulate(optax.sgd(1.0), every_k, lr_scaling=lr_scaling)
+  params = jnp.zeros(3)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  ks, updates = [], []
+  for gradient in gradients:
+    k = int(ga_optax.current_k(state))
+    assert k >= 1, k
+    update, state = step(jnp.asarray(gradient), state, params)
+    assert bool(jnp.all(jnp.isfinite(update))), update
+    if bool(ga_optax.emitted(state)):
+      ks.append(k)
+      updates.append(np.asarray(update))
+  expected_ks, expected_updates = numpy_run(every_k, gradients, lr_scaling)
+  assert ks == expected_ks[: len(ks)]
+  assert len(ks) >= len(expected_ks)
+  for update, expected in zip(updates, expected_updates, strict=False):
+    np.testing.assert_allclose(update, expected, rtol=1e-6)
+  # Every update moves against the (positive) gradient, never along it.
+  assert all(np.all(update < 0) for update in updates)
+
+
+# current_k is the k the schedule gives for the applied updates so far: the
+# window that closes stores the next window's k, not its own.
+
+
+@pytest.mark.parametrize(
+  "every_k",
+  [{0: 2, 1: 3, 2: 1, 3: 4}, lambda update_step: update_step % 3 + 1],
+  ids=["dict", "callable"],
+)
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_current_k_is_the_next_windows_k_after_each_close(every_k, use_jit):
+  tx = ga_optax.accumulate(optax.sgd(1.0), every_k)
+  schedule = as_schedule(every_k)
+  params = jnp.zeros(2)
+  state = tx.init(params)
+  step = jax.jit(tx.update) if use_jit else tx.update
+  closed = 0
+  for _ in range(14):
+    _, state = step(jnp.ones(2), state, params)
+    applied = int(ga_optax.applied_updates(state))
+    assert int(ga_optax.current_k(state)) == int(schedule(jnp.int32(applied)))
+    closed += bool(ga_optax.emitted(state))
+  assert closed == applied >= 5

@@ -161,7 +161,9 @@ def _checked_callable(schedule: EveryKSchedule) -> EveryKSchedule:
     )
 
   def every_k_of(update_step: jax.Array) -> jax.Array:
-    return jnp.asarray(schedule(update_step), jnp.int32)
+    # A window holds at least one micro-step: values below 1 act as 1 here,
+    # once, for the window, lr_scaling's ratio and current_k alike.
+    return jnp.maximum(jnp.asarray(schedule(update_step), jnp.int32), 1)
 
   return every_k_of
 

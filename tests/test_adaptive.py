@@ -29,6 +29,7 @@ import ga_optax
 
 DECAY = 0.5
 DEVICES = 8
+RESOLUTION = 2.0**-10
 
 
 def flat(tree) -> np.ndarray:
@@ -58,7 +59,10 @@ def reference_run(micro_gradients, weights, rule, *, decay, lr_scaling=None):
     count = len([w for _, w in window if w > 0])
     if count >= 2:
       squares = sum(w * float(g @ g) for g, w in window)
-      window_trace = (squares - total * float(mean @ mean)) / (count - 1)
+      spread = squares - total * float(mean @ mean)
+      # Within float32's rounding of the sums: no measurable noise.
+      spread = spread if spread > RESOLUTION * squares else 0.0
+      window_trace = spread / (count - 1)
       window_grad_sq = float(mean @ mean) - window_trace / total
       grad_sq = decay * grad_sq + (1 - decay) * window_grad_sq
       trace_sigma = decay * trace_sigma + (1 - decay) * window_trace
@@ -66,23 +70,33 @@ def reference_run(micro_gradients, weights, rule, *, decay, lr_scaling=None):
     scale = {None: 1.0, "sqrt": math.sqrt(k / first_k), "linear": k / first_k}
     ks.append(k)
     updates.append(-mean * scale[lr_scaling])
-    b_simple = (
-      (trace_sigma / debias) / (grad_sq / debias) if debias else math.nan
-    )
+    b_simple = read_b_simple(grad_sq, trace_sigma, debias)
     factor, threshold = rule["factor"], rule["threshold"]
-    large = math.isinf(b_simple) or b_simple < 0
-    if (large or b_simple >= threshold * factor * total) and (
-      k * factor <= rule["max_k"]
-    ):
+    if (
+      count < 2
+      or b_simple == math.inf
+      or b_simple >= threshold * factor * total
+    ) and k * factor <= rule["max_k"]:
       k *= factor
     elif (
       rule.get("min_k")
-      and 0 <= b_simple < total / (threshold * factor)
+      and b_simple < total / (threshold * factor)
+      and k % factor == 0
       and k // factor >= rule["min_k"]
+      and count // factor >= 2
     ):
       k //= factor
     window, steps = [], 0
   return ks, updates
+
+
+def read_b_simple(grad_sq: float, trace_sigma: float, debias: float) -> float:
+  """|G|^2 <= 0: larger than any batch; tr(Sigma) <= 0: no noise; NaN: none."""
+  if not debias:
+    return math.nan
+  if grad_sq <= 0:
+    return math.inf
+  return trace_sigma / grad_sq if trace_sigma > 0 else 0.0
 
 
 RULE = {"initial_k": 2, "max_k": 8, "min_k": 1, "factor": 2, "threshold": 1.0}
@@ -147,8 +161,9 @@ def test_k_and_updates_follow_the_reference(lr_scaling, fused):
     gradients, weights, RULE, decay=DECAY, lr_scaling=lr_scaling
   )
   assert ks == expected_ks
-  # The run is worth checking: k grew to max_k and came back down.
-  assert max(ks) == 8 and ks[-1] < 8, ks
+  # The run is worth checking: k grew to max_k and came back down, to 2:
+  # on one device a window of 1 would measure nothing.
+  assert max(ks) == 8 and ks[-1] == 2, ks
   for update, expected in zip(updates, expected_updates, strict=True):
     np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
 
@@ -198,6 +213,151 @@ def test_skipped_micro_steps_do_not_count():
   assert int(ga_optax.num_skipped(state)) == 1
   assert int(ga_optax.applied_updates(state)) == 1
   assert int(ga_optax.current_k(state)) == 4
+
+
+def run_current_ks(tx, gradients):
+  """The k of the open window after each micro-step of ``gradients``."""
+  params = {"w": jnp.zeros(gradients[0].shape)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  ks = []
+  for gradient in gradients:
+    update, state = step({"w": jnp.asarray(gradient)}, state, params)
+    assert np.all(np.isfinite(flat(update)))
+    ks.append(int(ga_optax.current_k(state)))
+  return ks, state
+
+
+def test_min_k_one_keeps_measuring_on_one_device():
+  # Nearly equal gradients (k shrinks), then pure noise (k must follow it
+  # up). A window of one micro-gradient measures nothing: had k reached 1,
+  # the reading would have stayed where the quiet phase left it.
+  rng = np.random.default_rng(7)
+  quiet = [(5.0 + 0.01 * rng.normal(size=4)).astype(np.float32)] * 40
+  noisy = [(3.0 * rng.normal(size=4)).astype(np.float32) for _ in range(200)]
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(4, max_k=16, min_k=1),
+    noise_scale_decay=DECAY,
+  )
+  ks, _ = run_current_ks(tx, quiet + noisy)
+  assert min(ks) == 2, ks
+  assert ks[39] == 2 and ks[-1] == 16, ks
+
+
+def test_a_window_that_measures_nothing_grows_k():
+  # k = 1 on one device: the first window holds one micro-gradient.
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0), ga_optax.adaptive_k(1, max_k=4), noise_scale_decay=0.0
+  )
+  ks, state = run_current_ks(tx, [np.ones(2, np.float32)] * 3)
+  # The window of 2 measured equal gradients: no noise, k stays.
+  assert ks == [2, 2, 2]
+  assert int(ga_optax.noise_scale(state).windows) == 1
+
+
+@pytest.mark.parametrize("min_k", [None, 1], ids=["grow_only", "min_k_1"])
+def test_noise_free_gradients_never_grow_k(min_k):
+  # Micro-gradients that differ by 1e-5 per entry around a mean of squared
+  # norm about 8800: the float32 sums cancel to rounding of either sign,
+  # which is no measurable noise (B_simple = 0), never "larger than any
+  # batch". Every reader agrees.
+  rng = np.random.default_rng(8)
+  mean = rng.uniform(0.9, 1.15, size=8192).astype(np.float32)
+  gradients = [
+    mean
+    + np.float32(1e-5) * rng.choice([-1.0, 1.0], size=8192).astype(np.float32)
+    for _ in range(60)
+  ]
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(4, max_k=32, min_k=min_k),
+    noise_scale_decay=0.9,
+  )
+  ks, state = run_current_ks(tx, gradients)
+  assert max(ks) == 4, ks
+  estimate = ga_optax.noise_scale(state)
+  assert int(estimate.windows) > 5
+  assert float(estimate.trace_sigma) == 0.0
+  assert float(estimate.b_simple) == 0.0
+  assert float(estimate.grad_sq) > 8000
+  assert ga_optax.suggested_k(estimate, 1, max_k=32) == 1
+  assert ga_optax.warmup_schedule([(3, estimate)], 1, 4, 32) == {0: 4}
+  assert (
+    ga_optax.goodput_k(
+      estimate,
+      items_per_micro_step=1,
+      micro_step_seconds=1.0,
+      closing_seconds=10.0,
+      base_batch=1,
+      max_k=32,
+    )
+    == 1
+  )
+
+
+# The rule's edges: a B_simple exactly at the growth threshold, and k that
+# factor does not divide.
+
+
+def test_k_grows_at_exactly_the_threshold():
+  # Micro-gradients 4 and 2, weight 1: trace_sigma = 2, grad_sq = 9 - 1 = 8,
+  # B_simple = 1/4, all exact. W = 2, factor 2: the threshold 1/16 puts the
+  # growth point at exactly 1/4.
+  gradients = [np.array([4.0], np.float32), np.array([2.0], np.float32)]
+  for threshold, grown in [(1 / 16, 4), (1 / 16 * (1 + 2.0**-20), 2)]:
+    tx = ga_optax.accumulate(
+      optax.sgd(1.0),
+      ga_optax.adaptive_k(2, max_k=4, threshold=threshold),
+      noise_scale_decay=0.0,
+    )
+    ks, state = run_current_ks(tx, gradients)
+    assert float(ga_optax.noise_scale(state).b_simple) == 0.25
+    assert ks[-1] == grown, threshold
+
+
+@pytest.mark.parametrize(
+  ("initial_k", "factor"), [(5, 2), (7, 3)], ids=["5_by_2", "7_by_3"]
+)
+def test_a_k_that_factor_does_not_divide_does_not_shrink(initial_k, factor):
+  # Nearly equal gradients ask k to shrink; k / factor is not an int, and
+  # floor division would shrink k to 2.
+  rng = np.random.default_rng(9)
+  gradients = [
+    (5.0 + 0.01 * rng.normal(size=4)).astype(np.float32)
+    for _ in range(4 * initial_k)
+  ]
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(
+      initial_k, max_k=initial_k * factor, min_k=1, factor=factor
+    ),
+    noise_scale_decay=DECAY,
+  )
+  ks, state = run_current_ks(tx, gradients)
+  assert int(ga_optax.applied_updates(state)) == 4
+  assert float(ga_optax.noise_scale(state).b_simple) < 1.0
+  assert set(ks) == {initial_k}, ks
+
+
+def test_factor_and_max_k_at_the_int32_limit_do_not_wrap():
+  # k * factor would be 2**31: formed, it wraps to -2**31.
+  noise = [np.array(g, np.float32) for g in ([1.0, -1.0], [-1.0, 1.0])] * 3
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.adaptive_k(2, max_k=2, factor=2**30),
+    noise_scale_decay=0.0,
+  )
+  ks, _ = run_current_ks(tx, noise)
+  assert set(ks) == {2}, ks
+  with pytest.warns(UserWarning, match="too few for windows of k = 1073741824"):
+    tx = ga_optax.accumulate(
+      optax.sgd(1.0),
+      ga_optax.adaptive_k(1, max_k=2**30, factor=2**30),
+      noise_scale_decay=0.0,
+    )
+  ks, _ = run_current_ks(tx, noise)
+  assert set(ks) == {2**30}, ks
 
 
 # Eight devices inside shard_map: each device's gradient is a micro-gradient
@@ -400,6 +560,41 @@ def test_consolidating_partial_sums_keeps_k():
   ("make", "error", "match"),
   [
     (lambda: ga_optax.adaptive_k(4, max_k=2), ValueError, "max_k"),
+    (
+      lambda: ga_optax.adaptive_k(4, max_k=6),
+      ValueError,
+      r"max_k must be initial_k=4 times a power of factor=2 .* Pass max_k=4",
+    ),
+    (
+      lambda: ga_optax.adaptive_k(3, max_k=12, factor=3),
+      ValueError,
+      r"between 9 and 27",
+    ),
+    (
+      lambda: ga_optax.adaptive_k(2, max_k=2**40),
+      ValueError,
+      r"max_k must be at most 2\*\*31 - 1",
+    ),
+    (
+      lambda: ga_optax.adaptive_k(2**31, max_k=2**31),
+      ValueError,
+      r"initial_k must be at most 2\*\*31 - 1",
+    ),
+    (
+      lambda: ga_optax.adaptive_k(2, max_k=2**32, min_k=2**31),
+      ValueError,
+      r"max_k must be at most 2\*\*31 - 1",
+    ),
+    (
+      lambda: ga_optax.adaptive_k(2, max_k=2, min_k=2**31),
+      ValueError,
+      r"min_k must be at most 2\*\*31 - 1",
+    ),
+    (
+      lambda: ga_optax.adaptive_k(2, max_k=2, factor=2**31),
+      ValueError,
+      r"factor must be at most 2\*\*31 - 1",
+    ),
     (lambda: ga_optax.adaptive_k(4, max_k=8, factor=1), ValueError, "factor"),
     (lambda: ga_optax.adaptive_k(4, max_k=8, factor=2.0), TypeError, "factor"),
     (lambda: ga_optax.adaptive_k(4, max_k=8, min_k=8), ValueError, "min_k"),

@@ -495,6 +495,11 @@ def test_float16_gradients_are_unscaled_into_float16():
 
 def test_the_accumulator_must_be_wide_enough_for_the_window_sum():
   """A float16 accumulator overflows on a sum no micro-batch overflowed."""
+  # The CPU cannot fail this test: it never keeps a float16 value in float32
+  # between ops. XLA:GPU may (excess precision, on by default), and there a
+  # window sum of 4 x 30000 read finite to isfinite and was not dropped (H100);
+  # loss_scaling._all_finite compares with float16's largest value instead.
+  # Only a GPU run guards that fix.
   grads = jnp.full(2, 30000.0, jnp.float16)  # a scaled float16 gradient
   params = jnp.zeros(2, jnp.float16)
   for accumulator_dtype, dropped in [(jnp.float32, 0), (jnp.float16, 1)]:
@@ -512,6 +517,11 @@ def test_the_accumulator_must_be_wide_enough_for_the_window_sum():
 
 def test_a_summed_float16_window_overflows_as_the_large_batch_does():
   """reduction="sum" casts the window's sum back to float16 gradients."""
+  # The CPU cannot fail this test: it never keeps a float16 value in float32
+  # between ops. XLA:GPU may (excess precision, on by default), and there a
+  # window sum of 4 x 30000 read finite to isfinite and was not dropped (H100);
+  # loss_scaling._all_finite compares with float16's largest value instead.
+  # Only a GPU run guards that fix.
   grads = jnp.full(2, 30000.0, jnp.float16)
   params = jnp.zeros(2, jnp.float16)
   for reduction, dropped in [("mean", 0), ("sum", 1)]:
@@ -524,42 +534,146 @@ def test_a_summed_float16_window_overflows_as_the_large_batch_does():
     assert int(ga_optax.dropped_windows(state)) == dropped, reduction
 
 
-def test_the_noise_scale_sees_scaled_gradients_and_skips_dropped_windows():
-  rng = np.random.default_rng(4)
-  micro_grads = rng.normal(1.0, 1.0, size=(6, 3)).astype(np.float32)
+def noise_scale_of_windows(
+  windows: Sequence[np.ndarray], decay: float
+) -> ga_optax.NoiseScale:
+  """The noise scale of plain float32 windows, no loss scale anywhere."""
+  tx = ga_optax.accumulate(
+    optax.sgd(0.0), len(windows[0]), noise_scale_decay=decay
+  )
+  params = jnp.zeros(windows[0].shape[1:])
+  state = tx.init(params)
+  for window in windows:
+    for grad in window:
+      _, state = tx.update(jnp.asarray(grad, jnp.float32), state, params)
+  return ga_optax.noise_scale(state)
 
-  def noise(initial_scale: float, poison: bool) -> ga_optax.NoiseScale:
-    tx = ga_optax.accumulate(
-      ga_optax.dynamic_loss_scale(
-        optax.sgd(0.0), initial_scale=initial_scale, growth_interval=100
-      ),
-      3,
-      noise_scale_decay=0.0,
+
+def assert_same_noise_scale(got: Any, want: Any) -> None:
+  assert int(got.windows) == int(want.windows)
+  for field in ("b_simple", "grad_sq", "trace_sigma"):
+    value = float(getattr(got, field))
+    assert np.isfinite(value), field
+    np.testing.assert_allclose(
+      value, float(getattr(want, field)), rtol=1e-5, err_msg=field
     )
-    params = jnp.zeros(3)
-    state = tx.init(params)
-    for index, grad in enumerate(micro_grads):
-      if poison and index >= 3:
-        grad = np.full(3, np.inf, np.float32)
-      _, state = tx.update(initial_scale * jnp.asarray(grad), state, params)
-    return ga_optax.noise_scale(state)
 
-  one, big = noise(1.0, poison=False), noise(2.0**10, poison=False)
-  np.testing.assert_allclose(big.b_simple, one.b_simple, rtol=1e-6)
-  np.testing.assert_allclose(big.grad_sq, one.grad_sq * 2.0**20, rtol=1e-6)
-  np.testing.assert_allclose(
-    big.trace_sigma, one.trace_sigma * 2.0**20, rtol=1e-6
+
+def test_the_noise_scale_is_in_the_gradients_own_units():
+  """The window divides the loss scale out, even as it moves every window."""
+  rng = np.random.default_rng(4)
+  windows = rng.normal(1.0, 1.0, size=(4, 3, 5)).astype(np.float32)
+  tx = ga_optax.accumulate(
+    ga_optax.dynamic_loss_scale(
+      optax.sgd(0.0), initial_scale=2.0**10, growth_interval=1
+    ),
+    3,
+    noise_scale_decay=0.5,
   )
-  # The second window overflows: it is dropped, and not measured.
-  dropped = noise(2.0**10, poison=True)
-  assert int(dropped.windows) == 1
-  assert np.isfinite(float(dropped.b_simple))
-  first = np.asarray(micro_grads[:3], np.float64)
-  mean = first.mean(0)
-  trace_sigma = (np.sum(first**2) - 3 * np.sum(mean**2)) / 2
-  np.testing.assert_allclose(
-    float(dropped.trace_sigma), trace_sigma * 2.0**20, rtol=1e-5
+  params = jnp.zeros(5)
+  state = tx.init(params)
+  scales = []
+  for window in windows:
+    scales.append(float(ga_optax.loss_scale(state)))
+    for grad in window:
+      scaled = ga_optax.loss_scale(state) * jnp.asarray(grad)
+      _, state = tx.update(scaled, state, params)
+  assert scales == [2.0**10, 2.0**11, 2.0**12, 2.0**13]
+  assert_same_noise_scale(
+    ga_optax.noise_scale(state), noise_scale_of_windows(windows, 0.5)
   )
+
+
+def test_a_dropped_window_does_not_enter_the_noise_scale():
+  """Even one whose sums are finite: float16 gradients that overflow only
+  once unscaled (a scale below 1). The scale backs off from 2**-10 to
+  2**-11 after it; quarters times those scales, and the means of 4 of them,
+  are exact in float16."""
+  rng = np.random.default_rng(5)
+  kept = (rng.integers(4, 17, size=(2, 4, 4)) / 4).astype(np.float32)
+  overflowing = np.full((4, 4), 60000.0, np.float32)
+  tx = ga_optax.accumulate(
+    ga_optax.dynamic_loss_scale(
+      optax.sgd(0.0),
+      initial_scale=2.0**-10,
+      min_scale=2.0**-12,
+      growth_interval=100,
+    ),
+    4,
+    noise_scale_decay=0.5,
+  )
+  params = jnp.zeros(4, jnp.float16)
+  state = tx.init(params)
+  for window in (kept[0], overflowing / 2.0**-10, kept[1]):
+    scale = float(ga_optax.loss_scale(state))
+    for grad in window:
+      scaled = jnp.asarray(grad * scale, jnp.float16)
+      assert bool(jnp.all(jnp.isfinite(scaled)))
+      _, state = tx.update(scaled, state, params)
+  assert int(ga_optax.dropped_windows(state)) == 1
+  assert float(ga_optax.loss_scale(state)) == 2.0**-11
+  assert_same_noise_scale(
+    ga_optax.noise_scale(state), noise_scale_of_windows(kept, 0.5)
+  )
+
+
+@pytest.mark.parametrize(
+  "make", [ga_optax.accumulate, ga_optax.accumulate_and_apply]
+)
+def test_skip_nonfinite_around_a_loss_scale_is_refused_at_init(make):
+  # Every overflowing micro-step would be dropped before the window saw it:
+  # the scale would never back off, and nothing would be applied.
+  for inner in (
+    ga_optax.dynamic_loss_scale(optax.sgd(1.0)),
+    optax.chain(optax.clip(1.0), ga_optax.dynamic_loss_scale(optax.sgd(1.0))),
+  ):
+    tx = make(inner, 2, skip_nonfinite=True)
+    with pytest.raises(ValueError, match="skip_nonfinite=True") as raised:
+      tx.init(jnp.zeros(2))
+    assert "dynamic_loss_scale" in str(raised.value)
+  # Either alone is fine.
+  make(ga_optax.dynamic_loss_scale(optax.sgd(1.0)), 2).init(jnp.zeros(2))
+  make(optax.sgd(1.0), 2, skip_nonfinite=True).init(jnp.zeros(2))
+
+
+# Scales above float16's range: 2**16 is already inf in float16, and the
+# default 2**15 reaches it after one growth.
+
+
+def test_float16_gradients_unscaled_by_a_scale_above_float16s_range():
+  grads = jnp.array([2.0**15, 2.0**10], jnp.float16)
+  params = jnp.zeros(2, jnp.float16)
+  tx = ga_optax.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**16)
+  updates, state = tx.update(grads, tx.init(params), params)
+  assert updates.dtype == jnp.float16
+  np.testing.assert_array_equal(
+    updates, np.array([-0.5, -(2.0**-6)], np.float16)
+  )
+  assert int(state.dropped_windows) == 0
+
+
+def test_a_scale_growing_past_65504_keeps_the_updates_exact():
+  rng = np.random.default_rng(6)
+  # Multiples of 2**-8 up to 2**-4: times 2**18 at most 2**14, and their
+  # means multiples of 2**-9, all exact in float16.
+  windows = rng.integers(-16, 17, size=(4, 2, 3)) / 2.0**8
+  params = jnp.zeros(3, jnp.float16)
+  tx = ga_optax.accumulate(
+    ga_optax.dynamic_loss_scale(optax.sgd(1.0), growth_interval=1), 2
+  )
+  state = tx.init(params)
+  scales = []
+  for window in windows:
+    scales.append(float(ga_optax.loss_scale(state)))
+    for grad in window:
+      scaled = jnp.asarray(grad * scales[-1], jnp.float16)
+      updates, state = tx.update(scaled, state, params)
+    assert updates.dtype == jnp.float16
+    np.testing.assert_array_equal(
+      updates, (-window.mean(axis=0)).astype(np.float16)
+    )
+  assert scales == [2.0**15, 2.0**16, 2.0**17, 2.0**18]
+  assert int(ga_optax.dropped_windows(state)) == 0
 
 
 def test_readers_find_the_state_anywhere():

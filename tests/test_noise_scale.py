@@ -78,8 +78,17 @@ def assert_estimate(state, expected_grad_sq, expected_trace, windows):
     float(estimate.trace_sigma), expected_trace, rtol=2e-5
   )
   np.testing.assert_allclose(
-    float(estimate.b_simple), expected_trace / expected_grad_sq, rtol=5e-5
+    float(estimate.b_simple),
+    numpy_b_simple(expected_grad_sq, expected_trace),
+    rtol=5e-5,
   )
+
+
+def numpy_b_simple(grad_sq: float, trace_sigma: float) -> float:
+  """The reading: |G|^2 <= 0 is larger than any batch, tr(Sigma) <= 0 no noise."""
+  if grad_sq <= 0:
+    return np.inf
+  return trace_sigma / grad_sq if trace_sigma > 0 else 0.0
 
 
 def random_grads(rng, count):
@@ -624,3 +633,58 @@ def test_the_state_from_init_can_be_donated(path):
 
   state = jax.jit(step, donate_argnums=0)(tx.init(params), jnp.ones(3))
   assert int(state.micro_step) == 1
+
+
+# How the smoothed estimates are read: never a negative B_simple.
+
+
+@pytest.mark.parametrize(
+  ("grad_sq", "trace_sigma", "b_simple"),
+  [
+    (4.0, 2.0, 0.5),
+    (4.0, 0.0, 0.0),  # no measurable noise
+    (4.0, -1.0, 0.0),  # the same: tr(Sigma) cannot be negative
+    (0.0, 2.0, np.inf),  # the gradient lost in the noise
+    (-1.0, 2.0, np.inf),  # the same
+    (-1.0, -1.0, np.inf),
+    (0.0, 0.0, np.inf),
+  ],
+)
+def test_the_reading_of_the_smoothed_estimates(grad_sq, trace_sigma, b_simple):
+  estimate = ga_optax.NoiseScaleEstimate(
+    grad_sq=jnp.float32(grad_sq),
+    trace_sigma=jnp.float32(trace_sigma),
+    measured=jnp.bool_(True),
+  )
+  averages = ga_optax.smooth_noise_scale(None, estimate, decay=0.5)
+  read = ga_optax.noise_scale(averages)
+  assert float(read.b_simple) == b_simple
+  assert float(read.grad_sq) == grad_sq
+  assert float(read.trace_sigma) == trace_sigma
+  nothing = ga_optax.noise_scale(
+    ga_optax.smooth_noise_scale(
+      None, estimate._replace(measured=jnp.bool_(False)), decay=0.5
+    )
+  )
+  assert np.isnan(float(nothing.b_simple))
+
+
+def test_nearly_equal_micro_gradients_measure_no_noise_in_step():
+  # The in-step path forms its estimates as the window does: float32
+  # cancellation in the sums is no noise, not a reading of either sign.
+  rng = np.random.default_rng(0)
+  mean = rng.uniform(0.9, 1.15, size=8192).astype(np.float32)
+  rows = mean + np.float32(1e-5) * rng.choice([-1.0, 1.0], size=(8, 8192))
+
+  def loss(params, batch):
+    return jnp.mean(batch @ params)
+
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    loss, 4, noise_scale=True
+  )
+  _, grads, estimate = jax.jit(value_and_grad)(
+    jnp.zeros(8192), jnp.asarray(rows, jnp.float32)
+  )
+  np.testing.assert_allclose(grads, rows.mean(0), rtol=1e-6)
+  assert float(estimate.trace_sigma) == 0.0
+  assert float(estimate.grad_sq) > 8000

@@ -63,6 +63,7 @@ class AdaptiveK:
     *,
     update_step: jax.Array,
     noise: noise_lib.NoiseScaleAverages,
+    micro_gradients: jax.Array,
     window_weight: jax.Array,
     full: jax.Array,
   ) -> jax.Array:
@@ -72,6 +73,8 @@ class AdaptiveK:
       k: the closing window's k.
       update_step: updates applied, this one included (unused here).
       noise: the noise scale's averages, this window folded in.
+      micro_gradients: K, the closing window's micro-gradients of positive
+        weight over every device.
       window_weight: W, the closing window's total weight (all devices).
       full: whether the window closed by count (a flushed one moves
         nothing: its weight is not the batch k stands for).
@@ -79,22 +82,53 @@ class AdaptiveK:
     del update_step
     b_simple = noise_lib.read(noise).b_simple
     window_weight = window_weight.astype(b_simple.dtype)
-    # The gradient lost in the noise (B_simple infinite or negative) asks
-    # for a larger batch; NaN (nothing measured yet) asks for nothing.
-    large = jnp.isinf(b_simple) | (b_simple < 0)
-    grows = (
-      large | (b_simple >= self.threshold * self.factor * window_weight)
-    ) & (k * self.factor <= self.max_k)
+    # k * factor is formed only where it fits the int32 k: compared as
+    # k <= max_k // factor, never as the product.
+    may_grow = k <= self.max_k // self.factor
+    # A window of fewer than 2 micro-gradients measures nothing: at such a
+    # k the reading would never move again. NaN asks for nothing.
+    grows = may_grow & (
+      (micro_gradients < 2)
+      | jnp.isinf(b_simple)
+      | (b_simple >= self.threshold * self.factor * window_weight)
+    )
     new_k = jnp.where(full & grows, k * self.factor, k)
     if self.min_k is not None:
+      smaller = k // self.factor
       shrinks = (
-        (b_simple >= 0)
-        & (b_simple < window_weight / (self.threshold * self.factor))
-        & (k // self.factor >= self.min_k)
+        (b_simple < window_weight / (self.threshold * self.factor))
         & (k % self.factor == 0)
+        & (smaller >= self.min_k)
+        # The smaller window still holds at least 2 micro-gradients at
+        # this window's rate (K / k per micro-step): K / factor >= 2.
+        & (micro_gradients // 2 >= self.factor)
       )
-      new_k = jnp.where(full & ~grows & shrinks, k // self.factor, new_k)
+      new_k = jnp.where(full & ~grows & shrinks, smaller, new_k)
     return new_k.astype(jnp.int32)
+
+
+def _reachable_max_k(initial_k: int, max_k: int, factor: int) -> None:
+  """Raises unless ``max_k`` is ``initial_k * factor**n``, a k growth reaches.
+
+  Raises:
+    ValueError: ``max_k`` is below ``initial_k`` or between two of its
+      multiples by powers of ``factor``.
+  """
+  if max_k < initial_k:
+    raise ValueError(
+      f"max_k must be at least initial_k={initial_k}, got max_k={max_k}."
+    )
+  reachable = initial_k
+  while reachable <= max_k // factor:
+    reachable *= factor
+  if reachable != max_k:
+    raise ValueError(
+      f"max_k must be initial_k={initial_k} times a power of factor={factor}"
+      f" (k grows {initial_k}, {initial_k * factor},"
+      f" {initial_k * factor**2}, ...), so that k can reach it; got"
+      f" max_k={max_k}, between {reachable} and {reachable * factor}. Pass"
+      f" max_k={reachable}."
+    )
 
 
 def adaptive_k(
@@ -108,16 +142,35 @@ def adaptive_k(
   """An ``every_k`` for :func:`ga_optax.accumulate` that follows the noise scale.
 
   When a window closes by count, with the smoothed ``B_simple`` of
-  :func:`ga_optax.noise_scale` (this window folded in) and that window's
-  total weight ``W`` over every device (in the unit of the weights: items,
-  or micro-batches at the default weight 1):
+  :func:`ga_optax.noise_scale` (this window folded in), that window's total
+  weight ``W`` over every device (in the unit of the weights: items, or
+  micro-batches at the default weight 1) and its K micro-gradients (those
+  of positive weight, over every device: k on one device):
 
-  * if ``B_simple >= threshold * factor * W`` and ``k * factor <= max_k``,
-    the next window's k is ``k * factor``;
-  * with ``min_k`` set, if ``B_simple < W / (threshold * factor)`` and
-    ``k / factor >= min_k``, it is ``k / factor``;
-  * otherwise k stays. ``B_simple`` NaN (nothing measured yet) keeps k;
-    infinite or negative (the gradient lost in the noise) counts as large.
+  * if ``B_simple >= threshold * factor * W`` (infinite included: the
+    gradient lost in the noise) and ``k * factor <= max_k``, the next
+    window's k is ``k * factor``;
+  * if the window held fewer than 2 micro-gradients it measured nothing,
+    and k grows the same way, so that the next window measures (on one
+    device, a first window of k = 1);
+  * with ``min_k`` set, if ``B_simple < W / (threshold * factor)`` (0, no
+    measurable noise, included), ``k`` is a multiple of ``factor`` (k
+    shrinks only by an exact division: a k of 3 with factor 2 stays 3),
+    ``k / factor >= min_k``, and a window of ``k / factor`` would still
+    hold at least 2 micro-gradients (K / factor >= 2), it is
+    ``k / factor``;
+  * otherwise k stays. ``B_simple`` NaN (nothing measured yet, or a window
+    that a loss scale dropped) keeps k.
+
+  k never reaches a window that measures nothing, so it never freezes on a
+  stale reading: on one device (and inside ``jax.shard_map`` with
+  ``check_vma=True``, where a micro-step is one micro-gradient) it stays at
+  2 or more whatever ``min_k``; ``min_k=1`` reaches 1 where every device's
+  gradient is a micro-gradient of its own (``axis_name`` with
+  ``check_vma=False``, ``unreduced_axes``) on at least 2 devices. Keeping
+  the measurement running was chosen over refusing ``min_k=1``: the device
+  count that decides it is known only in the traced step, and a run moved
+  to one device keeps working.
 
   A flushed window does not move k: its weight is not the batch that k
   stands for. k is part of the state (:func:`ga_optax.current_k` reads
@@ -126,7 +179,8 @@ def adaptive_k(
 
   Args:
     initial_k: the first window's k, a positive int.
-    max_k: the largest k, at least ``initial_k``.
+    max_k: the largest k: ``initial_k`` times a power of ``factor``, so that
+      k can reach it.
     min_k: the smallest k, at most ``initial_k``; None (the default): k
       never shrinks.
     factor: what k is multiplied or divided by, an int of at least 2.
@@ -134,13 +188,17 @@ def adaptive_k(
       be before k moves (1: k doubles once ``B_simple`` reaches twice the
       batch, the point past which a larger batch still cuts the steps).
 
+  Every size and ``factor`` must be at most 2**31 - 1, the range of the
+  state's int32 counters.
+
   Returns:
     An :class:`AdaptiveK`, to pass as ``every_k``.
 
   Raises:
     TypeError: a size or ``factor`` is not an int, ``threshold`` not a
       number.
-    ValueError: a value out of its range.
+    ValueError: a value out of its range, or a ``max_k`` that is not
+      ``initial_k * factor**n``.
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
@@ -154,20 +212,18 @@ def adaptive_k(
     >>> int(ga_optax.current_k(state))  # the next window holds 4
     4
   """
-  initial_k = validation.check_positive_int(initial_k, "initial_k")
-  max_k = validation.check_positive_int(max_k, "max_k")
+  initial_k = validation.check_count(initial_k, "initial_k")
+  max_k = validation.check_count(max_k, "max_k")
   if isinstance(factor, bool) or not validation.is_int(factor):
     raise TypeError(f"factor must be an int of at least 2, got {factor!r}.")
   if int(factor) < 2:
     raise ValueError(
       f"factor must be at least 2 (k moves by it), got {factor!r}."
     )
-  if max_k < initial_k:
-    raise ValueError(
-      f"max_k must be at least initial_k={initial_k}, got max_k={max_k}."
-    )
+  factor = validation.check_count(factor, "factor")
+  _reachable_max_k(initial_k, max_k, factor)
   if min_k is not None:
-    min_k = validation.check_positive_int(min_k, "min_k")
+    min_k = validation.check_count(min_k, "min_k")
     if min_k > initial_k:
       raise ValueError(
         f"min_k must be at most initial_k={initial_k}, got min_k={min_k}."
@@ -176,7 +232,7 @@ def adaptive_k(
     raise TypeError(f"threshold must be a positive number, got {threshold!r}.")
   if not (math.isfinite(threshold) and threshold > 0):
     raise ValueError(f"threshold must be a positive number, got {threshold}.")
-  return AdaptiveK(initial_k, max_k, min_k, int(factor), float(threshold))
+  return AdaptiveK(initial_k, max_k, min_k, factor, float(threshold))
 
 
 LR_SCALINGS = (None, "sqrt", "linear")

@@ -8,13 +8,16 @@ turn readings of it into a k: the nearest power of two
 the closing step's cost is counted (:func:`goodput_k`). They are plain
 Python, called between jitted steps.
 
-Readings that carry no information and readings that say "larger than any
-batch" are treated alike by all three:
+All three read ``B_simple`` as :func:`ga_optax.noise_scale` returns it, and
+as :func:`ga_optax.adaptive_k` acts on it:
 
 * NaN (no window measured yet) never grows k: 1, or the warm-up's k so far;
-* an infinite or negative ``B_simple`` (the smoothed |G|^2 is at or below 0:
-  the gradient is lost in the noise of batches this size) counts as larger
-  than any batch.
+* infinite (the smoothed |G|^2 is at or below 0: the gradient is lost in the
+  noise of batches this size) counts as larger than any batch;
+* 0 (the smoothed tr(Sigma) is at or below 0: no measurable noise) is the
+  smallest batch, never a reason to grow k;
+* a negative value is refused: it could mean either of the last two (a
+  tr(Sigma) or a |G|^2 below 0), and ``noise_scale`` never returns one.
 """
 
 from __future__ import annotations
@@ -55,19 +58,35 @@ def read_b_simple(noise_scale: Any, name: str) -> float:
       f"{what}; got a value traced inside jax.jit. These functions run on"
       " the host, between steps: call them outside the jitted function."
     )
-  if isinstance(value, numbers.Real) and not isinstance(value, bool):
-    return float(value)
   dtype = getattr(value, "dtype", None)
-  if (
+  if (isinstance(value, numbers.Real) and not isinstance(value, bool)) or (
     dtype is not None
     and getattr(value, "shape", None) == ()
     and (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer))
   ):
-    return float(value)
+    return _not_negative(float(value), name)
   described = type(value).__name__
   if dtype is not None:
     described += f" of dtype {dtype} and shape {getattr(value, 'shape', '?')}"
   raise TypeError(f"{what}, got {value!r} ({described}).")
+
+
+def _not_negative(b_simple: float, name: str) -> float:
+  """``b_simple``, refused when negative: it would have two readings.
+
+  Raises:
+    ValueError: ``b_simple`` is below 0.
+  """
+  if b_simple < 0:
+    raise ValueError(
+      f"{name}'s B_simple must not be negative, got {b_simple}: a negative"
+      " ratio comes from an estimated tr(Sigma) below 0 (no measurable"
+      " noise, read as 0) or an estimated |G|^2 below 0 (larger than any"
+      " batch, read as inf), which call for opposite k."
+      " ga_optax.noise_scale(state) reads them so: pass what it returns, or"
+      " 0.0 or float('inf') for these readings."
+    )
+  return b_simple
 
 
 def check_positive_real(
@@ -114,8 +133,8 @@ def check_max_power_of_two(max_k: Any) -> int:
 
 
 def is_large(b_simple: float) -> bool:
-  """Whether a reading counts as larger than any batch (inf or negative)."""
-  return b_simple == math.inf or b_simple < 0
+  """Whether a reading counts as larger than any batch (infinite)."""
+  return b_simple == math.inf
 
 
 def suggested_k(
@@ -128,17 +147,19 @@ def suggested_k(
   ``2 ** round(log2(B_simple / items_per_micro_step))``, clamped to
   ``[1, max_k]``: the k whose window's batch is nearest ``B_simple`` on a
   log scale (a ratio of 7.9 gives 8, 5.5 gives 4; the boundary between k
-  and 2k is ``k * sqrt(2)``, which rounds up). Batches near ``B_simple``
-  are where, by McCandlish et al.'s model, doubling the batch stops saving
-  nearly half the steps and starts costing nearly twice the items. Powers
+  and 2k is ``k * sqrt(2)``, which rounds up: ``4 * sqrt(2)`` gives 8).
+  Batches near ``B_simple`` are where, by McCandlish et al.'s model,
+  doubling the batch stops saving nearly half the steps and starts costing
+  nearly twice the items. Powers
   of two keep the distinct k few, so that a loop that compiles one step per
   k (the in-step path) compiles few.
 
   Args:
     noise_scale: what :func:`ga_optax.noise_scale` returns, or ``B_simple``
-      itself as a real scalar (a Python number, a NumPy or JAX scalar). NaN
-      (nothing measured yet) gives 1; infinite or negative (the gradient is
-      lost in the noise: a batch larger than any) gives ``max_k``.
+      itself as a real scalar (a Python number, a NumPy or JAX scalar),
+      not negative. NaN (nothing measured yet) and 0 (no measurable noise)
+      give 1; infinite (the gradient is lost in the noise: a batch larger
+      than any) gives ``max_k``.
     items_per_micro_step: the items one micro-step holds, on all devices
       together, in the unit of the weights (samples, tokens; 1 at the
       default weight): a finite number above 0.
@@ -151,8 +172,9 @@ def suggested_k(
     TypeError: ``noise_scale`` is neither a NoiseScale nor a real scalar
       (or is traced inside ``jax.jit``); ``items_per_micro_step`` is not a
       real number; ``max_k`` is not an int.
-    ValueError: ``items_per_micro_step`` is not finite and positive;
-      ``max_k`` is not a power of two in ``[1, 2**30]``.
+    ValueError: ``noise_scale`` is negative; ``items_per_micro_step`` is
+      not finite and positive; ``max_k`` is not a power of two in
+      ``[1, 2**30]``.
 
   Example:
     >>> import ga_optax
@@ -175,8 +197,11 @@ def suggested_k(
     return max_k
   if ratio == 0:
     return 1
-  # floor(x + 0.5), not round(): Python's round sends halves to even.
-  exponent = math.floor(math.log2(ratio) + 0.5)
+  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1): the power of two
+  # below is exact, and the tie at k * sqrt(2) goes up (Python's round
+  # would send a log2 of 2.5 to 2, and log2 itself may round below it).
+  mantissa, exponent = math.frexp(ratio)
+  exponent = exponent - 1 + int(mantissa >= math.sqrt(0.5))
   return 1 << min(max(exponent, 0), max_k.bit_length() - 1)
 
 
@@ -266,8 +291,9 @@ def warmup_schedule(
   * One reading can double k several times: it takes k as far as that
     reading supports, so readings taken far apart do not lag behind.
   * k never shrinks: a reading below the current batch leaves it.
-  * NaN readings (nothing measured yet) are skipped; infinite or negative
-    ones count as larger than any batch (k goes to ``max_k``).
+  * NaN readings (nothing measured yet) are skipped; infinite ones count as
+    larger than any batch (k goes to ``max_k``); 0 (no measurable noise)
+    never grows k; negative ones are refused, as in :func:`suggested_k`.
   * The readings may come in any order: they are taken by update step
     (readings of the same step in the order given). A reading at step 0,
     from a probe before training, sets the first window's k.
@@ -291,9 +317,10 @@ def warmup_schedule(
     TypeError: a reading is not a pair of an integer and a real scalar;
       ``items_per_micro_step`` is not a real number; ``first_k`` or
       ``max_k`` is not an int.
-    ValueError: an update step is outside ``[0, 2**31 - 1]``;
-      ``items_per_micro_step`` is not finite and positive; ``max_k`` is
-      below ``first_k`` or is not ``first_k * 2**n``.
+    ValueError: an update step is outside ``[0, 2**31 - 1]``; a
+      ``B_simple`` is negative; ``items_per_micro_step`` is not finite and
+      positive; ``max_k`` is below ``first_k`` or is not
+      ``first_k * 2**n``.
 
   Example:
     Micro-steps of 16 items: k = 2 doubles once B_simple reaches 64 items,
@@ -360,11 +387,11 @@ def goodput_k(
 
   Args:
     noise_scale: what :func:`ga_optax.noise_scale` returns, or ``B_simple``
-      as a real scalar. NaN (nothing measured yet) gives 1, as
-      ``B_simple = 0`` would (no noise: a larger batch buys nothing).
-      Infinite or negative counts as larger than any batch: efficiency 1
-      for every k, so ``max_k`` when ``closing_seconds > 0`` and 1 when it
-      is 0.
+      as a real scalar, not negative. NaN (nothing measured yet) gives 1,
+      as ``B_simple = 0`` does (no measurable noise: a larger batch buys
+      nothing). Infinite counts as larger than any batch: efficiency 1 for
+      every k, so ``max_k`` when ``closing_seconds > 0`` and 1 when it is
+      0.
     items_per_micro_step: the items one micro-step holds, on all devices
       together, in the unit of the weights: a finite number above 0.
     micro_step_seconds: the time of a micro-step that does not close the
@@ -382,8 +409,9 @@ def goodput_k(
   Raises:
     TypeError: ``noise_scale`` is neither a NoiseScale nor a real scalar; a
       number is not a real number; ``max_k`` is not an int.
-    ValueError: a time or size is not finite or out of its range;
-      ``max_k`` is not a power of two in ``[1, 2**30]``.
+    ValueError: ``noise_scale`` is negative; a time or size is not finite
+      or out of its range; ``max_k`` is not a power of two in
+      ``[1, 2**30]``.
 
   Example:
     A closing step as long as a micro-step, B_simple = 200 items and

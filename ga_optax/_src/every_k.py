@@ -43,6 +43,7 @@ class WindowLength(Protocol):
     *,
     update_step: jax.Array,
     noise: Any,
+    micro_gradients: Any,
     window_weight: jax.Array,
     full: jax.Array,
   ) -> jax.Array:
@@ -53,6 +54,8 @@ class WindowLength(Protocol):
       update_step: updates applied, the closing window's included.
       noise: the noise scale's averages with the window folded in (None
         when it is not measured).
+      micro_gradients: the window's micro-gradients of positive weight over
+        every device (None when the noise scale is not measured).
       window_weight: the window's total weight over every device.
       full: whether the window closed by count rather than by a flush.
     """
@@ -83,26 +86,15 @@ class Scheduled:
     *,
     update_step: jax.Array,
     noise: Any,
+    micro_gradients: Any,
     window_weight: jax.Array,
     full: jax.Array,
   ) -> jax.Array:
-    del k, noise, window_weight, full
+    del k, noise, micro_gradients, window_weight, full
     return self.schedule(update_step)
 
 
-# k and the dict's keys are compared with the state's int32 counters.
-MAX_COUNT = int(np.iinfo(np.int32).max)
-_COUNTERS = (
-  f"at most 2**31 - 1 = {MAX_COUNT}, the largest value of the state's int32"
-  " counters (micro_step, update_step)"
-)
-
-
-def _check_k(k: object, name: str) -> int:
-  k = validation.check_positive_int(k, name)
-  if k > MAX_COUNT:
-    raise ValueError(f"{name} must be {_COUNTERS}, got {k}.")
-  return k
+MAX_COUNT = validation.MAX_COUNT
 
 
 def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
@@ -119,7 +111,7 @@ def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
       )
     if int(start) > MAX_COUNT:
       raise ValueError(
-        f"every_k dict keys must be {_COUNTERS}, got key {start}."
+        f"every_k dict keys must be {validation.COUNTERS}, got key {start}."
       )
   if 0 not in schedule:
     raise ValueError(
@@ -127,7 +119,10 @@ def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
       f" keys {sorted(schedule)}."
     )
   starts = sorted(int(start) for start in schedule)
-  ks = [_check_k(schedule[start], f"every_k[{start}]") for start in starts]
+  ks = [
+    validation.check_count(schedule[start], f"every_k[{start}]")
+    for start in starts
+  ]
   starts_array = np.asarray(starts, dtype=np.int32)
   ks_array = np.asarray(ks, dtype=np.int32)
 
@@ -185,5 +180,5 @@ def as_window_length(every_k: EveryK) -> WindowLength:
     return Scheduled(_piecewise_constant(every_k))
   if callable(every_k):
     return Scheduled(_checked_callable(every_k))
-  k = _check_k(every_k, "every_k")
+  k = validation.check_count(every_k, "every_k")
   return Scheduled(lambda update_step: jnp.asarray(k, jnp.int32))

@@ -223,13 +223,18 @@ def dynamic_loss_scale(
   ``GradScaler`` semantics under accumulation: every micro-batch of a
   window is scaled by the same scale; the window's reduced gradient is
   unscaled once; a window whose reduced gradient is not finite is dropped
-  whole and the scale backs off; growth is counted in windows. The reduced gradient is the same on every
-  device (``axis_name``, ``unreduced_axes``), so all devices drop the same
-  windows. Keep the accumulator float32 (the default): a float16 one
-  overflows on the window's sum of scaled gradients where no micro-batch
-  did. Do not combine it with ``skip_nonfinite=True``, which drops the
-  overflowing micro-steps before the window sees them, so that the scale
-  never backs off. See docs/how-to/mixed-precision.md.
+  whole and the scale backs off; growth is counted in windows. The reduced
+  gradient is the same on every device (``axis_name``,
+  ``unreduced_axes``), so all devices drop the same windows. Keep the
+  accumulator float32 (the default): a float16 one overflows on the
+  window's sum of scaled gradients where no micro-batch did.
+  ``accumulate(..., skip_nonfinite=True)`` refuses it (at ``init``): that
+  would drop the overflowing micro-steps before the window sees them, so
+  that the scale never backs off. The noise scale that ``accumulate``
+  measures (``noise_scale_decay``) is in the gradients' own units: the
+  window divides the scale out, and a dropped window is not measured. A clip
+  goes inside it, ``dynamic_loss_scale(optax.chain(clip, opt))``: outside,
+  it would clip the scaled gradient. See docs/how-to/mixed-precision.md.
 
   The unscaled gradient keeps the dtype of the gradient given (the division
   itself runs in at least float32): with float32 master params and float16
@@ -338,6 +343,65 @@ def find_loss_scale_state(state: Any) -> DynamicLossScaleState:
     ValueError: ``state`` holds none, or several.
   """
   return find_one(state, DynamicLossScaleState, "ga_optax.dynamic_loss_scale")
+
+
+def _loss_scale_states(state: Any) -> list[DynamicLossScaleState]:
+  """Every :class:`DynamicLossScaleState` inside an optimizer state."""
+  return [
+    node
+    for node in jax.tree.leaves(
+      state, is_leaf=lambda node: isinstance(node, DynamicLossScaleState)
+    )
+    if isinstance(node, DynamicLossScaleState)
+  ]
+
+
+def gradient_units(
+  inner_state: Any, new_inner_state: Any
+) -> tuple[jax.Array, jax.Array]:
+  """The loss scale a window's gradients carry, and whether it was kept.
+
+  For the noise scale that :func:`ga_optax.accumulate` measures: its
+  micro-gradients are those of the loss times the scale of the wrapped
+  optimizer's state at the window's start, and a window that
+  :func:`dynamic_loss_scale` drops measures nothing. A state without a
+  loss scale gives ``(1, True)``.
+
+  Args:
+    inner_state: the wrapped optimizer's state before the window's step.
+    new_inner_state: its state after it.
+
+  Returns:
+    A float32 scale and a bool scalar.
+
+  Raises:
+    ValueError: the state holds several loss scales.
+  """
+  if not _loss_scale_states(inner_state):
+    return jnp.ones((), jnp.float32), jnp.asarray(True)
+  before = find_loss_scale_state(inner_state)
+  after = find_loss_scale_state(new_inner_state)
+  # The count saturates at 2**31 - 1 drops, far beyond any run.
+  kept = after.dropped_windows == before.dropped_windows
+  return jnp.asarray(before.scale, jnp.float32), kept
+
+
+def refuse_skipped_overflows(inner_state: Any) -> None:
+  """Raises if ``skip_nonfinite=True`` would hide overflows from a loss scale.
+
+  Raises:
+    ValueError: ``inner_state`` holds a :class:`DynamicLossScaleState`.
+  """
+  if _loss_scale_states(inner_state):
+    raise ValueError(
+      "accumulate(..., skip_nonfinite=True) drops every micro-step whose"
+      " gradient is not finite before the window closes, so the"
+      " dynamic_loss_scale it wraps never sees an overflow and never backs"
+      " its scale off: under a scale too large every micro-step is dropped"
+      " and nothing is applied. Pass skip_nonfinite=False (the default):"
+      " ga_optax.dynamic_loss_scale drops a window whose gradient is not"
+      " finite and backs off by itself."
+    )
 
 
 def loss_scale(state: Any) -> jax.Array:

@@ -16,6 +16,15 @@ window's estimates are noisy (``grad_sq`` is often negative when
 an exponential moving average, debiased like Adam's moments, and only the
 smoothed values are divided: the ratio of noisy estimates is biased.
 
+``trace_sigma`` is a weighted sample variance, never negative, but formed in
+float32 as a difference of two sums close to each other when the
+micro-gradients nearly agree; a difference within the sums' rounding
+(``RESOLUTION`` of them) is read as 0, no measurable noise, rather than as a
+rounding error of either sign. The smoothed values are read so: a |G|^2 at
+or below 0 means "larger than any batch" (``B_simple`` infinite); a
+tr(Sigma) at or below 0 with |G|^2 above 0 means "no measurable noise"
+(``B_simple`` 0, never a reason for a larger batch).
+
 The window pays for it with one squared norm per micro-step, read from the
 gradient the add reads anyway, and one scalar reduction when it closes.
 """
@@ -23,6 +32,7 @@ gradient the add reads anyway, and one scalar reduction when it closes.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -34,14 +44,16 @@ class NoiseScale(NamedTuple):
 
   Attributes:
     b_simple: ``trace_sigma / grad_sq``, the simple noise scale, an estimate
-      of the critical batch size in items (the unit of the weights). NaN
-      until a window has been measured; infinite or negative when the
-      smoothed ``grad_sq`` is 0 or negative (the gradient is lost in the
-      noise at this batch size), returned as computed.
+      of the critical batch size in items (the unit of the weights), never
+      negative. NaN until a window has been measured; infinite when the
+      smoothed ``grad_sq`` is at or below 0 (the gradient is lost in the
+      noise at this batch size: larger than any batch); 0 when
+      ``grad_sq`` is above 0 and ``trace_sigma`` at or below 0 (no
+      measurable noise: never a reason for a larger batch).
     grad_sq: smoothed, debiased estimate of |G|^2.
     trace_sigma: smoothed, debiased estimate of tr(Sigma), per item.
     windows: windows measured (those of at least 2 micro-gradients whose
-      estimates are finite).
+      estimates are finite and that a loss scale did not drop).
   """
 
   b_simple: jax.Array
@@ -142,6 +154,14 @@ def square_norm(tree: Any) -> jax.Array:
   return sum(squares[1:], squares[0]) if squares else jnp.zeros(())
 
 
+# Relative to ``sum_i w_i |g_i|^2``, the spread below which the float32 sums
+# cannot tell it from rounding: each squared norm sums a model's worth of
+# squares, rounded about sqrt(n) * 2**-24 apart for n parameters (1e-4 at
+# 10**8), and the sums differ by the spread alone. A spread this small is a
+# B_simple under 2**-10 of a micro-gradient's weight: no measurable noise.
+RESOLUTION = 2.0**-10
+
+
 def window_estimate(
   square_sum: jax.Array,
   micro_gradients: jax.Array,
@@ -149,6 +169,10 @@ def window_estimate(
   mean_square: jax.Array,
 ) -> NoiseScaleEstimate:
   """The unbiased estimates of one window, from its sums.
+
+  ``trace_sigma`` is 0 where the spread ``square_sum - weight *
+  mean_square`` is within ``RESOLUTION`` of ``square_sum`` (float32
+  cancellation, of either sign, when the micro-gradients nearly agree).
 
   Args:
     square_sum: ``sum_i w_i |g_i|^2`` over the window.
@@ -158,10 +182,10 @@ def window_estimate(
   """
   count = micro_gradients.astype(jnp.float32)
   measured = micro_gradients >= 2
+  spread = square_sum - weight * mean_square
+  spread = jnp.where(spread > RESOLUTION * square_sum, spread, 0.0)
   # Guards keep unmeasured windows from computing 0 / 0.
-  trace_sigma = (square_sum - weight * mean_square) / jnp.where(
-    measured, count - 1.0, 1.0
-  )
+  trace_sigma = spread / jnp.where(measured, count - 1.0, 1.0)
   grad_sq = mean_square - trace_sigma / jnp.where(weight > 0, weight, 1.0)
   return NoiseScaleEstimate(grad_sq, trace_sigma, measured)
 
@@ -236,12 +260,26 @@ def smooth_noise_scale(
   return smooth(averages, estimate, checked)
 
 
+def b_simple_of(grad_sq: jax.Array, trace_sigma: jax.Array) -> jax.Array:
+  """``trace_sigma / grad_sq``, never negative.
+
+  Infinite where ``grad_sq <= 0`` (larger than any batch), 0 where
+  ``grad_sq > 0`` and ``trace_sigma <= 0`` (no measurable noise), NaN where
+  either is NaN (nothing measured yet).
+  """
+  ratio = trace_sigma / jnp.where(grad_sq > 0, grad_sq, 1.0)
+  ratio = jnp.where(trace_sigma > 0, ratio, jnp.zeros_like(ratio))
+  ratio = jnp.where(grad_sq > 0, ratio, jnp.full_like(ratio, jnp.inf))
+  nothing = jnp.isnan(grad_sq) | jnp.isnan(trace_sigma)
+  return jnp.where(nothing, jnp.full_like(ratio, jnp.nan), ratio)
+
+
 def read(smoothed: NoiseScaleAverages) -> NoiseScale:
   """The debiased averages and their ratio."""
   grad_sq = smoothed.grad_sq / smoothed.debias
   trace_sigma = smoothed.trace_sigma / smoothed.debias
   return NoiseScale(
-    b_simple=trace_sigma / grad_sq,
+    b_simple=b_simple_of(grad_sq, trace_sigma),
     grad_sq=grad_sq,
     trace_sigma=trace_sigma,
     windows=smoothed.windows,
@@ -265,11 +303,26 @@ class Unmeasured:
     mean_grads: Any,
     total_weight: jax.Array,
     parallel: Any,
-  ) -> None:
-    del noise, mean_grads, total_weight, parallel
+    *,
+    inner_states: tuple[Any, Any],
+  ) -> tuple[None, None]:
+    del noise, mean_grads, total_weight, parallel, inner_states
+    return None, None
 
   def reset(self, noise: Any, closes: jax.Array) -> None:
     del noise, closes
+
+
+# (inner_state, new_inner_state) -> (scale, kept): see Measured.units.
+GradientUnits = Callable[[Any, Any], tuple[jax.Array, jax.Array]]
+
+
+def same_units(
+  inner_state: Any, new_inner_state: Any
+) -> tuple[jax.Array, jax.Array]:
+  """Gradients in their own units, every window kept: no loss scale."""
+  del inner_state, new_inner_state
+  return jnp.ones((), jnp.float32), jnp.asarray(True)
 
 
 class Measured:
@@ -280,10 +333,18 @@ class Measured:
   micro-gradient is); the closing side reduces those two scalars over the
   devices, forms the window's estimates from them and the reduced mean
   gradient, and folds them into the averages.
+
+  Attributes:
+    decay: the averages' decay.
+    units: ``(inner_state, new_inner_state) -> (scale, kept)``: the factor
+      the window's gradients carry over their own units (a loss scale) and
+      whether the wrapped optimizer kept the window; the estimates are
+      divided by ``scale**2``, and a window not kept is not measured.
   """
 
-  def __init__(self, decay: float) -> None:
+  def __init__(self, decay: float, units: GradientUnits = same_units) -> None:
     self.decay = decay
+    self.units = units
 
   def init(self, parallel: Any) -> WindowNoise:
     square_sum, micro_gradients = parallel.noise_terms_zero()
@@ -312,15 +373,37 @@ class Measured:
     mean_grads: Any,
     total_weight: jax.Array,
     parallel: Any,
-  ) -> WindowNoise:
-    """The averages with the closing window's estimates folded in."""
+    *,
+    inner_states: tuple[Any, Any],
+  ) -> tuple[WindowNoise, jax.Array]:
+    """The averages with the closing window's estimates folded in.
+
+    Args:
+      noise: the open window's sums and the averages so far.
+      mean_grads: the window's reduced mean gradient.
+      total_weight: the window's weight, as this device holds it.
+      parallel: where the window lives across devices.
+      inner_states: the wrapped optimizer's state before and after its
+        step on this window, for :attr:`units`.
+
+    Returns:
+      The noise state, and K, the window's micro-gradients over every
+      device.
+    """
     square_sum, micro_gradients, weight = parallel.reduce_noise(
       noise.square_sum, noise.micro_gradients, total_weight
     )
+    scale, kept = self.units(*inner_states)
+    units_squared = jnp.square(jnp.asarray(scale, jnp.float32))
     estimate = window_estimate(
-      square_sum, micro_gradients, weight, square_norm(mean_grads)
+      square_sum / units_squared,
+      micro_gradients,
+      weight,
+      square_norm(mean_grads) / units_squared,
     )
-    return noise._replace(smoothed=smooth(noise.smoothed, estimate, self.decay))
+    estimate = estimate._replace(measured=estimate.measured & kept)
+    smoothed = smooth(noise.smoothed, estimate, self.decay)
+    return noise._replace(smoothed=smoothed), micro_gradients
 
   def reset(self, noise: WindowNoise, closes: jax.Array) -> WindowNoise:
     """The sums emptied where the window closed."""

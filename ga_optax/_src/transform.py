@@ -21,6 +21,7 @@ import optax
 from ga_optax._src import (
   adaptive,
   eager,
+  loss_scaling,
   noise_scale,
   parallel,
   precision,
@@ -97,8 +98,25 @@ def resolve(
     output=output,
     noise=noise_scale.Unmeasured()
     if decay is None
-    else noise_scale.Measured(decay),
+    else noise_scale.Measured(decay, units=loss_scaling.gradient_units),
   )
+
+
+def initializer(window: Window) -> Callable[[optax.Params], AccumulateState]:
+  """``window.init``, refusing what only the wrapped state shows.
+
+  ``skip_nonfinite=True`` around :func:`ga_optax.dynamic_loss_scale` is
+  refused here: the optimizer is opaque until its state is made.
+  """
+  if not window.skip_nonfinite:
+    return window.init
+
+  def init_fn(params: optax.Params) -> AccumulateState:
+    state = window.init(params)
+    loss_scaling.refuse_skipped_overflows(state.inner_state)
+    return state
+
+  return init_fn
 
 
 def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
@@ -208,7 +226,9 @@ def accumulate(
       float32 accumulation of bfloat16 gradients.
     skip_nonfinite: drop a micro-step whose gradients hold NaN or Inf
       whole: not added, not counted toward k, and counted in
-      ``num_skipped``. With ``axis_name`` or ``unreduced_axes`` the check is
+      ``num_skipped``. ``init`` refuses it around
+      :func:`ga_optax.dynamic_loss_scale`, which must see the overflows to
+      back its scale off. With ``axis_name`` or ``unreduced_axes`` the check is
       global (a scalar all-reduce per micro-step) so that every device drops
       the same micro-steps.
     axis_name: the data-parallel axes, as everywhere in ga_optax: the
@@ -295,7 +315,9 @@ def accumulate(
       ``inner_state_axes`` without ``unreduced_axes``, or a memory
       kind the device does not offer (the message lists those it does) or
       that ``jit`` cannot keep arrays in. ``init`` and ``update`` raise for
-      axes that are not of the mesh kind their argument needs; ``update``
+      axes that are not of the mesh kind their argument needs; ``init``
+      raises for ``skip_nonfinite=True`` around
+      :func:`ga_optax.dynamic_loss_scale`; ``update``
       raises for ``grads`` that do not match the state (tree, shapes,
       dtypes, or unreduced axes), for a state in other memory kinds than
       those it is kept in, and for a bad ``weight`` or ``flush``.
@@ -342,7 +364,7 @@ def accumulate(
       updates, state, params, weight=weight, flush=flush, extra_args=extra_args
     )
 
-  return optax.GradientTransformationExtraArgs(window.init, update_fn)
+  return optax.GradientTransformationExtraArgs(initializer(window), update_fn)
 
 
 class FusedApplyFn(Protocol):
@@ -479,4 +501,4 @@ def accumulate_and_apply(
       grads, state, params, weight=weight, flush=flush, extra_args=extra_args
     )
 
-  return FusedAccumulation(init=window.init, apply=apply_fn)
+  return FusedAccumulation(init=initializer(window), apply=apply_fn)

@@ -43,6 +43,28 @@ def check_positive_int(value: Any, name: str) -> int:
   return int(value)
 
 
+# Window lengths and update steps are compared with the state's int32
+# counters.
+MAX_COUNT = int(np.iinfo(np.int32).max)
+COUNTERS = (
+  f"at most 2**31 - 1 = {MAX_COUNT}, the largest value of the state's int32"
+  " counters (micro_step, update_step, every_k)"
+)
+
+
+def check_count(value: Any, name: str) -> int:
+  """``value`` as an int: a positive int that the state's int32 counters hold.
+
+  Raises:
+    TypeError: not an int.
+    ValueError: below 1 or above 2**31 - 1.
+  """
+  count = check_positive_int(value, name)
+  if count > MAX_COUNT:
+    raise ValueError(f"{name} must be {COUNTERS}, got {count}.")
+  return count
+
+
 def check_optimizer(optimizer: Any) -> optax.GradientTransformationExtraArgs:
   """Returns ``optimizer`` as one that accepts (and may ignore) extra args."""
   if not isinstance(optimizer, optax.GradientTransformation):

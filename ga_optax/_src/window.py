@@ -505,18 +505,25 @@ class ClosingSide:
     updates = window.lr_scaling.apply(
       updates, every_k, window.window_length.first()
     )
+    # Measured in the gradients' own units: the wrapped optimizer's states
+    # tell a loss scale, and a window it dropped.
+    noise, micro_gradients = window.noise.close(
+      carry["noise"],
+      reduced,
+      total_weight,
+      window.parallel,
+      inner_states=(inner_state, new_inner_state),
+    )
     # Gradients wider than the params (float32 for bfloat16, say) would
     # widen the optimizer's state; it keeps its dtypes from call to call.
     new_inner_state = window.inner_state_home.keep(
       _with_dtypes_of(new_inner_state, inner_state)
     )
-    noise = window.noise.close(
-      carry["noise"], reduced, total_weight, window.parallel
-    )
     next_k = window.window_length.next(
       every_k,
       update_step=increment_if(micro_step.state.update_step, jnp.asarray(True)),
       noise=getattr(noise, "smoothed", None),
+      micro_gradients=micro_gradients,
       window_weight=total_weight,
       full=micro_step.decision.micro_step >= micro_step.decision.every_k,
     )

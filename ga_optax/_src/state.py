@@ -136,6 +136,14 @@ def emitted(state: Any) -> jax.Array:
   False on micro-steps that only accumulate, and on a flush of a window that
   held no weight (nothing is applied then).
 
+  True whenever the wrapped optimizer ran, whatever it decided: a window
+  that :func:`ga_optax.dynamic_loss_scale` drops (float16 overflow) emits
+  zero updates with ``emitted`` True, and counts in
+  :func:`ga_optax.applied_updates`, as PyTorch's loop counter moves on past a
+  skipped ``scaler.step``; schedules of k move on with it. The wrapped
+  optimizer decides the drop where ``accumulate`` cannot see it:
+  :func:`ga_optax.dropped_windows` counts those windows.
+
   Args:
     state: an :class:`AccumulateState`, or any optimizer state that holds
       exactly one, for example that of an ``optax.chain``.
@@ -164,7 +172,9 @@ def applied_updates(state: Any) -> jax.Array:
 
   A train state's ``step`` (Flax ``TrainState.step``, or the count of an NNX
   ``Optimizer``) counts ``update`` calls, that is micro-steps; this counts
-  closed windows, the steps of a large-batch run.
+  closed windows, the steps of a large-batch run. A window that a wrapped
+  :func:`ga_optax.dynamic_loss_scale` drops counts here too (see
+  :func:`ga_optax.emitted`).
 
   Args:
     state: an :class:`AccumulateState`, or any optimizer state that holds

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax import testing
+from ga_optax._src import window_form
 
 
 def loss_fn(params, batch):
@@ -69,9 +70,11 @@ def compiled_step(tx, fused=False):
 def test_the_optimizer_runs_only_on_the_closing_side(make):
   tx, fused = make()
   program = compiled_step(tx, fused)
-  # On the CPU the gradient is added before the closing side, which is a
-  # conditional there (run_once.py says why); elsewhere both sides are loops.
-  keep_open = 0 if jax.default_backend() == "cpu" else 1
+  # In the conditional form (the CPU's) the gradient is added before the
+  # closing side, which is a conditional; in the loop form both sides are
+  # loops (window_form.py says why).
+  form = window_form.form_for(jax.default_backend())
+  keep_open = 1 if form == window_form.LOOPS else 0
   assert testing.window_sides(program) == {
     "keep_open": keep_open,
     "close_window": 1,

@@ -54,6 +54,14 @@ def pinned() -> str | None:
   return form
 
 
+def form_for(platform: str) -> str:
+  """The form a step lowered for ``platform`` (``"cpu"``, ``"cuda"``...) takes."""
+  pinned_form = pinned()
+  if pinned_form is not None:
+    return pinned_form
+  return CONDITIONAL if platform == "cpu" else LOOPS
+
+
 def choose(
   index: Any,
   *operands: Any,

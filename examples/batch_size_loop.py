@@ -27,6 +27,7 @@ against steps, and the adaptive run's k and ``B_simple`` against items, to
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -127,7 +128,7 @@ def train(
   """One run over the micro-batches, evaluated every ``eval_every``."""
   value_and_grad = jax.value_and_grad(loss)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=ga_optax.gpu_compiler_options())
   def micro_step(params, state, tokens):
     _, grads = value_and_grad(params, tokens)
     updates, state = tx.update(

@@ -33,6 +33,7 @@ prints it at a few points of training and plots it next to the batch in use
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import math
 import struct
@@ -273,7 +274,7 @@ def train_ga_optax(
   )
   value_and_grad = jax.value_and_grad(make_loss(model))
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=ga_optax.gpu_compiler_options())
   def micro_step(params, state, x, y, flush):
     loss, grads = value_and_grad(params, x, y)
     # The gradient of a micro-batch's mean loss, weighted by its size, sums

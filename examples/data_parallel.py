@@ -159,7 +159,11 @@ def make_runs(args: argparse.Namespace, model: MLP) -> list[Run]:
     return step
 
   def jitted(step: Callable) -> Any:
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(
+      step,
+      donate_argnums=(0, 1),
+      compiler_options=ga_optax.gpu_compiler_options(),
+    )
 
   unreduced_tx = ga_optax.accumulate(optimizer, k, unreduced_axes="data")
   reduced_tx = ga_optax.accumulate(optimizer, k)
@@ -251,6 +255,7 @@ def shard_map_runs(
           check_vma=False,
         ),
         donate_argnums=(0, 1),
+        compiler_options=ga_optax.gpu_compiler_options(),
       ),
     ),
   ]

@@ -38,6 +38,7 @@ directory (``--output-dir`` changes it).
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import re
 import sys
@@ -262,7 +263,7 @@ def accumulate_runs(loss: Callable, args: argparse.Namespace) -> list[Run]:
   optimizer = ga_optax.accumulate(make_optimizer(args), args.every_k)
   value_and_grad = jax.value_and_grad(loss)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=ga_optax.gpu_compiler_options())
   def micro_step(params, opt_state, tokens, weighted):
     value, grads = value_and_grad(params, tokens)
     num_tokens = count_real_tokens(tokens)

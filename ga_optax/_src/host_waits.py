@@ -101,11 +101,13 @@ def host_waits(
   """Compiles ``fun(*args)`` for GPUs and counts the host waits of each path.
 
   The step is compiled as :func:`ga_optax.testing.compile_for_gpu` compiles
-  it (same arguments), for compile-only GPUs whose driver is recent enough
-  to capture loops and conditionals in command buffers, and the thunk
-  sequence XLA:GPU built is read: each loop and conditional outside a
-  command buffer makes the host wait, ``trips + 1`` times for a loop whose
-  trip count XLA does not know, once for a conditional.
+  it (same arguments; the H100 target reports a CUDA 13 driver, as a real
+  one does, which XLA:GPU asks before it captures loops in command
+  buffers), and the thunk sequence XLA:GPU built is read: each loop and
+  conditional outside a command buffer makes the host wait, ``trips + 1``
+  times for a loop whose trip count XLA does not know, once for a
+  conditional. A step without a ga_optax window (``optax.MultiSteps``, a
+  plain optimizer step) has the same waits on both paths.
 
   Args:
     fun: the step, as one would pass it to ``jax.jit``.

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import pathlib
@@ -233,9 +232,7 @@ def audit_path(program: Any, path: str) -> testing.PathAudit:
   """``testing.path_audit`` of any step: a step without a ga_optax window
   (plain Adam, MultiSteps, the floor) is read whole, as every call runs it.
   """
-  if "require_window" in inspect.signature(testing.path_audit).parameters:
-    return testing.path_audit(program, path, require_window=False)
-  return testing.path_audit(program, path)  # before the argument existed
+  return testing.path_audit(program, path, require_window=False)
 
 
 def audit(program: Any) -> dict[str, Any]:

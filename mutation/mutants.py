@@ -472,7 +472,9 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICROBATCH,
-        "    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)\n"
+        "    scale = jnp.where(\n"
+        "      sums.weight > 0, 1.0 / jnp.where(sums.weight > 0, sums.weight, 1.0), 0.0\n"
+        "    )\n"
         "    grads = jax.tree.map(\n",
         "    scale = jnp.ones_like(sums.weight)\n    grads = jax.tree.map(\n",
       ),
@@ -595,6 +597,222 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_plain_jit_mesh.py::test_a_window_boundary_resumes_on_other_devices_with_another_k",
+    ),
+  ),
+  # Semantics settled by 0.5: each a defect an adversarial pass found, or a
+  # planted one the tests let through.
+  Mutant(
+    name="callable_k_below_one_kept",
+    guarantee="schedules of k (a callable's k below 1 acts as 1)",
+    defect="a callable every_k's values below 1 reach lr_scaling and"
+    " current_k as they are: NaN, uphill or zero updates",
+    edits=(
+      Edit(
+        "ga_optax/_src/every_k.py",
+        "    return jnp.maximum(jnp.asarray(schedule(update_step), jnp.int32), 1)",
+        "    return jnp.asarray(schedule(update_step), jnp.int32)",
+      ),
+    ),
+    tests=(
+      "tests/test_every_k.py::test_a_callable_k_below_one_acts_as_one_everywhere",
+    ),
+  ),
+  Mutant(
+    name="current_k_lags_a_window",
+    guarantee="counters (current_k is the open window's k)",
+    defect="a closing window stores the schedule's k of the update before"
+    " its own: current_k lags one window behind",
+    edits=(
+      Edit(
+        WINDOW,
+        "      update_step=increment_if(micro_step.state.update_step, jnp.asarray(True)),",
+        "      update_step=micro_step.state.update_step,",
+      ),
+    ),
+    tests=(
+      "tests/test_every_k.py::test_current_k_is_the_next_windows_k_after_each_close",
+    ),
+  ),
+  Mutant(
+    name="adaptive_k_grows_only_past_the_threshold",
+    guarantee="batch size, closed loop (growth at B_simple >= the threshold)",
+    defect="k grows only when B_simple is strictly above threshold * factor"
+    " * W",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "      | (b_simple >= self.threshold * self.factor * window_weight)",
+        "      | (b_simple > self.threshold * self.factor * window_weight)",
+      ),
+    ),
+    tests=("tests/test_adaptive.py::test_k_grows_at_exactly_the_threshold",),
+  ),
+  Mutant(
+    name="adaptive_k_shrinks_by_floor_division",
+    guarantee="batch size, closed loop (k shrinks only by an exact division)",
+    defect="a k that factor does not divide shrinks to k // factor",
+    edits=(Edit(ADAPTIVE, "        & (k % self.factor == 0)\n", ""),),
+    tests=(
+      "tests/test_adaptive.py::test_a_k_that_factor_does_not_divide_does_not_shrink",
+    ),
+  ),
+  Mutant(
+    name="adaptive_k_shrinks_to_a_window_that_measures_nothing",
+    guarantee="batch size, closed loop (k never freezes)",
+    defect="min_k=1 on one device lets k shrink to 1, where a window"
+    " measures nothing and the stale reading keeps it there",
+    edits=(
+      Edit(ADAPTIVE, "        & (micro_gradients // 2 >= self.factor)\n", ""),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_min_k_one_keeps_measuring_on_one_device",
+    ),
+  ),
+  Mutant(
+    name="adaptive_k_growth_product_overflows",
+    guarantee="batch size, closed loop (sizes within int32)",
+    defect="growth is checked as k * factor <= max_k, a product that wraps"
+    " in int32",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "    may_grow = k <= self.max_k // self.factor",
+        "    may_grow = k * self.factor <= self.max_k",
+      ),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_factor_and_max_k_at_the_int32_limit_do_not_wrap",
+    ),
+  ),
+  Mutant(
+    name="noise_cancellation_read_as_noise",
+    guarantee="gradient noise scale (noise-free gradients never grow k)",
+    defect="the window's spread is used below the float32 rounding of its"
+    " sums: nearly equal gradients read as noise of either sign",
+    edits=(
+      Edit(
+        NOISE_SCALE,
+        "  spread = jnp.where(spread > RESOLUTION * square_sum, spread, 0.0)\n",
+        "",
+      ),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_noise_free_gradients_never_grow_k",
+      "tests/test_noise_scale.py::test_nearly_equal_micro_gradients_measure_no_noise_in_step",
+    ),
+  ),
+  Mutant(
+    name="noise_scale_in_loss_scaled_units",
+    guarantee="gradient noise scale (in the gradients' own units)",
+    defect="under dynamic_loss_scale the noise scale is measured on the"
+    " scaled gradients, S**2 too large and mixing scales",
+    edits=(
+      Edit(
+        NOISE_SCALE,
+        "    units_squared = jnp.square(jnp.asarray(scale, jnp.float32))",
+        "    units_squared = jnp.ones((), jnp.float32)",
+      ),
+    ),
+    tests=(
+      "tests/test_loss_scaling.py::test_the_noise_scale_is_in_the_gradients_own_units",
+    ),
+  ),
+  Mutant(
+    name="dropped_window_measured",
+    guarantee="gradient noise scale (a dropped window does not count)",
+    defect="a window that dynamic_loss_scale drops enters the averages"
+    " when its sums are finite",
+    edits=(
+      Edit(
+        NOISE_SCALE,
+        "    estimate = estimate._replace(measured=estimate.measured & kept)\n",
+        "",
+      ),
+    ),
+    tests=(
+      "tests/test_loss_scaling.py::test_a_dropped_window_does_not_enter_the_noise_scale",
+    ),
+  ),
+  Mutant(
+    name="skip_nonfinite_around_a_loss_scale_accepted",
+    guarantee="mixed precision (the scale must see overflows)",
+    defect="skip_nonfinite=True around dynamic_loss_scale is accepted: the"
+    " scale never backs off",
+    edits=(
+      Edit(
+        "ga_optax/_src/transform.py",
+        "    loss_scaling.refuse_skipped_overflows(state.inner_state)\n",
+        "",
+      ),
+    ),
+    tests=(
+      "tests/test_loss_scaling.py::test_skip_nonfinite_around_a_loss_scale_is_refused_at_init",
+    ),
+  ),
+  Mutant(
+    name="loss_scale_unscales_in_float16",
+    guarantee="mixed precision (unscaling above float16's range)",
+    defect="float16 gradients are divided by the scale in float16, where"
+    " 2**16 is inf: every gradient unscales to 0",
+    edits=(
+      Edit(
+        "ga_optax/_src/loss_scaling.py",
+        "  wide = jnp.promote_types(grad.dtype, jnp.float32)",
+        "  wide = grad.dtype",
+      ),
+    ),
+    tests=(
+      "tests/test_loss_scaling.py::test_float16_gradients_unscaled_by_a_scale_above_float16s_range",
+      "tests/test_loss_scaling.py::test_a_scale_growing_past_65504_keeps_the_updates_exact",
+    ),
+  ),
+  Mutant(
+    name="precision_warning_judges_adaptive_k_by_initial_k",
+    guarantee="dtypes (the accumulator warning)",
+    defect="an adaptive k is judged by its first k, not the largest it can"
+    " reach",
+    edits=(
+      Edit(
+        "ga_optax/_src/precision.py",
+        "    return every_k.max_k",
+        "    return every_k.initial_k",
+      ),
+    ),
+    tests=(
+      "tests/test_precision.py::test_an_adaptive_k_is_judged_by_its_largest_k",
+    ),
+  ),
+  Mutant(
+    name="suggested_k_ties_to_even",
+    guarantee="batch size (suggested_k's documented tie)",
+    defect="suggested_k rounds log2 with Python's round: k * sqrt(2) goes"
+    " to the even exponent",
+    edits=(
+      Edit(
+        "ga_optax/_src/batch_size.py",
+        "  mantissa, exponent = math.frexp(ratio)\n"
+        "  exponent = exponent - 1 + int(mantissa >= math.sqrt(0.5))\n",
+        "  exponent = round(math.log2(ratio))\n",
+      ),
+    ),
+    tests=(
+      "tests/test_batch_size.py::test_suggested_k_tie_at_k_sqrt_two_rounds_up",
+    ),
+  ),
+  Mutant(
+    name="negative_weight_dropped_in_step",
+    guarantee="equivalence (one rule for negative weights)",
+    defect="the in-step path drops a traced negative weight's micro-batch"
+    " from the gradient sums but keeps its weight",
+    edits=(
+      Edit(
+        MICROBATCH,
+        "    has_weight = weight != 0\n",
+        "    has_weight = weight > 0\n",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_zero_and_traced_negative_weights_mean_the_same_in_both_paths",
     ),
   ),
   # The gradient noise scale.

@@ -18,9 +18,10 @@ Usage::
 Beside ga_optax's steps it compiles the floor (a gradient added into a
 donated accumulator) and the host-scheduled window's programs
 (``benchmarks/host_scheduled.py``), which have no control flow. Prints a
-table of paths, one of the targets' ratios and one of whole windows (bytes
-per micro-step, closing step and window of k calls, beside the floor, plain
-Adam and ``optax.MultiSteps``), and writes JSON.
+table of paths (with the host waits of each, ``ga_optax.testing.host_waits``,
+under XLA's default options), one of the targets' ratios and one of whole
+windows (bytes per micro-step, closing step and window of k calls, beside
+the floor, plain Adam and ``optax.MultiSteps``), and writes JSON.
 """
 
 from __future__ import annotations
@@ -258,13 +259,16 @@ def audit(program: Any) -> dict[str, Any]:
 
 
 def measure(workload: workloads_lib.Workload) -> dict[str, Any]:
-  """Each contender's paths: bytes moved, copies, temporaries."""
+  """Each contender's paths: bytes moved, copies, temporaries, and the host
+  waits of each path under XLA's default options."""
   records = {}
   for name, (step, state, batch) in steps(workload).items():
-    program = testing.compile_for_gpu(
+    # host_waits compiles as compile_for_gpu does, and reads the thunks.
+    waits = testing.host_waits(
       step, workload.params, state, batch, donate_argnums=(0, 1)
     )
-    records[name] = audit(program)
+    records[name] = audit(waits.program)
+    records[name]["host_waits"] = [waits.micro_step, waits.closing]
   return records
 
 
@@ -363,15 +367,17 @@ def tables(
 ) -> str:
   lines = [
     f"| step ({compiled_for}-compiled) | micro-step MiB moved | copies MiB |"
-    " closing MiB moved | copies MiB | temp MiB |",
-    "|---|---:|---:|---:|---:|---:|",
+    " closing MiB moved | copies MiB | temp MiB | host waits |",
+    "|---|---:|---:|---:|---:|---:|---:|",
   ]
   for name, record in records.items():
     micro, closing = record["micro_step"], record["closing"]
+    # Per path, where measured (micro-step / closing).
+    waits = "/".join(str(count) for count in record.get("host_waits", ()))
     lines.append(
       f"| {name} | {micro['moved_mib']:.1f} | {micro['copied_mib']:.0f} |"
       f" {closing['moved_mib']:.1f} | {closing['copied_mib']:.0f} |"
-      f" {record['temp_mib']:.0f} |"
+      f" {record['temp_mib']:.0f} | {waits} |"
     )
   lines += [
     "",

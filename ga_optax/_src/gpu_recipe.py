@@ -84,7 +84,8 @@ def gpu_compiler_options(*, collectives: bool = True) -> dict[str, str]:
     ...     step, donate_argnums=(0, 1),
     ...     compiler_options=ga_optax.gpu_compiler_options())
     >>> params = {"w": jnp.ones((4, 4))}
-    >>> params, state = train_step(params, tx.init(params), params)
+    >>> grads = {"w": jnp.full((4, 4), 0.5)}
+    >>> params, state = train_step(params, tx.init(params), grads)
     >>> "WHILE" in ga_optax.gpu_compiler_options()["xla_gpu_enable_command_buffer"]
     True
   """

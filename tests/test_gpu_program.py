@@ -434,15 +434,8 @@ def load_benchmark(name: str) -> Any:
 
 
 @pytest.mark.parametrize("options", ["recipe", "default"])
-def test_bytes_moved_meet_the_targets(options, monkeypatch):
+def test_bytes_moved_meet_the_targets(options):
   benchmark = load_benchmark("compiled")
-  # The baselines (MultiSteps, plain Adam, the floor) have no window: the
-  # benchmark reads each as what every call runs.
-  monkeypatch.setattr(
-    testing,
-    "path_audit",
-    functools.partial(testing.path_audit, require_window=False),
-  )
   workload = benchmark.workloads_lib.mlp(1024, 4, 8, 4)
   records = {
     name: benchmark.audit(

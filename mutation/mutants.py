@@ -295,7 +295,9 @@ MUTANTS: tuple[Mutant, ...] = (
     defect="the closing loop does not add the micro-step's gradient: every"
     " window a GPU closes leaves its last micro-batch out",
     edits=(
-      Edit(WINDOW, "      accumulator = micro_step.added(accumulator, grads)\n", ""),
+      Edit(
+        WINDOW, "      accumulator = micro_step.added(accumulator, grads)\n", ""
+      ),
     ),
     tests=(
       "tests/test_equivalence.py::test_uniform_micro_batches_match_the_large_batch",

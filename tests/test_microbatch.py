@@ -187,25 +187,32 @@ def test_extra_arguments_are_passed_to_every_microbatch():
 
 
 def test_bfloat16_params_accumulate_in_float32():
-  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
-  batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _batch())
-  _, grads = ga_optax.microbatched_value_and_grad(_mean_loss, 16)(params, batch)
-  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
-  # The float32 reference: the mean of the 16 bfloat16 micro-batch gradients,
-  # summed in float32 and rounded to bfloat16 once.
-  per_microbatch = [
-    jax.grad(_mean_loss)(
-      params, jax.tree.map(lambda x, i=i: x[i : i + 1], batch)
-    )
-    for i in range(16)
-  ]
-  expected = jax.tree.map(
-    lambda *g: (sum(x.astype(jnp.float32) for x in g) / 16).astype(
-      jnp.bfloat16
-    ),
-    *per_microbatch,
+  # Micro-batch gradients exact in bfloat16 (a linear loss: the gradient is
+  # the row), whose sum is not: 256 then fifteen 1s. Summed in bfloat16 in
+  # order, each 1 is lost beside 256 (its spacing there is 2) and the mean is
+  # 16; summed in float32, 271 / 16 = 16.9375 rounds once, to 17.
+  params = {"w": jnp.zeros((2,), jnp.bfloat16)}
+  rows = np.ones((16, 2), np.float32)
+  rows[0] = 256.0
+  batch = {"x": jnp.asarray(rows, jnp.bfloat16)}
+
+  def linear_loss(params, batch):
+    return jnp.mean(batch["x"] @ params["w"])
+
+  _, grads = ga_optax.microbatched_value_and_grad(linear_loss, 16)(
+    params, batch
   )
-  chex.assert_trees_all_close(grads, expected, rtol=1e-2)
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
+  np.testing.assert_array_equal(
+    np.asarray(grads["w"], np.float32), np.full(2, 17.0, np.float32)
+  )
+  # The rows really are the micro-batches' gradients, exact in bfloat16.
+  for index, row in enumerate(rows):
+    micro_batch = {"x": batch["x"][index : index + 1]}
+    np.testing.assert_array_equal(
+      np.asarray(jax.grad(linear_loss)(params, micro_batch)["w"], np.float32),
+      row,
+    )
 
 
 def test_rng_gives_each_microbatch_its_own_dropout_mask():

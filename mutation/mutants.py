@@ -63,6 +63,10 @@ COLLECTIVE = "ga_optax/_src/parallel/collective.py"
 UNREDUCED = "ga_optax/_src/parallel/unreduced.py"
 PARTIAL_SUMS = "ga_optax/_src/parallel/partial_sums.py"
 ZERO = "ga_optax/_src/parallel/zero.py"
+COMPILED_PATHS = "ga_optax/_src/compiled_paths.py"
+HOST_WAITS = "ga_optax/_src/host_waits.py"
+GPU_RECIPE = "ga_optax/_src/gpu_recipe.py"
+GPU_COMPILE = "ga_optax/_src/gpu_compile.py"
 
 MUTANTS: tuple[Mutant, ...] = (
   # Equivalence with the large batch.
@@ -1228,5 +1232,128 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
     ),
     tests=("tests/test_testing.py",),
+  ),
+  # The audits of the compiled program: copies, host waits, the GPU recipe.
+  Mutant(
+    name="asynchronous_copies_not_counted",
+    guarantee="cost (no copy on the micro-step path)",
+    defect="path_audit sees a copy-start/copy-done pair as no copy at all",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        '_COPY_OPCODES = frozenset({"copy", "copy-start"})',
+        '_COPY_OPCODES = frozenset({"copy"})',
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_an_asynchronous_copy_once",
+    ),
+  ),
+  Mutant(
+    name="path_audit_accepts_a_step_without_a_window",
+    guarantee="the audits say what they cannot see",
+    defect="path_audit reads a step with no ga_optax window as the whole program on both paths, which looks like no optimizer work per micro-step",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "if require_window and not _holds_a_window(module):",
+        "if not require_window and not _holds_a_window(module):",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_refuses_a_step_without_a_window",
+    ),
+  ),
+  Mutant(
+    name="asynchronous_copy_counted_as_its_tuple",
+    guarantee="cost (bytes moved per path)",
+    defect="an asynchronous copy is counted as the whole tuple its start returns (twice the copy and a counter)",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        'read if opcode == "copy-start" else shape_bytes(instruction.shape)',
+        "shape_bytes(instruction.shape)",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_an_asynchronous_copy_once",
+    ),
+  ),
+  Mutant(
+    name="command_buffers_ignored",
+    guarantee="zero host waits on a GPU (the audit)",
+    defect="a loop inside a command buffer is counted as driven by the host",
+    edits=(
+      Edit(
+        HOST_WAITS,
+        "in_command_buffer=any(k == _COMMAND_BUFFER for _, k in enclosing),",
+        "in_command_buffer=False,",
+      ),
+    ),
+    tests=("tests/test_host_waits.py",),
+  ),
+  Mutant(
+    name="loop_exit_wait_not_counted",
+    guarantee="zero host waits on a GPU (the audit)",
+    defect="a loop of unknown trip count costs one wait per trip, not one more for the predicate that ends it",
+    edits=(
+      Edit(
+        HOST_WAITS,
+        "return trips_on_path(instruction, path) + 1",
+        "return trips_on_path(instruction, path)",
+      ),
+    ),
+    tests=("tests/test_host_waits.py",),
+  ),
+  Mutant(
+    name="known_trip_count_loops_wait",
+    guarantee="zero host waits on a GPU (the audit)",
+    defect="a loop of known trip count (a lax.scan) is counted as reading its predicate on the host",
+    edits=(
+      Edit(
+        HOST_WAITS,
+        "if instruction.trip_count is not None:",
+        "if instruction.trip_count is None:",
+      ),
+    ),
+    tests=("tests/test_host_waits.py",),
+  ),
+  Mutant(
+    name="recipe_without_while",
+    guarantee="zero host waits on a GPU (the recipe)",
+    defect="gpu_compiler_options leaves WHILE out of the command buffers: every micro-step waits for the host again",
+    edits=(
+      Edit(GPU_RECIPE, '_WINDOW_KINDS = ("WHILE",)', "_WINDOW_KINDS = ()"),
+    ),
+    tests=(
+      "tests/test_host_waits.py",
+      "tests/test_gpu_program.py::test_one_gpu[adam]",
+    ),
+  ),
+  Mutant(
+    name="recipe_without_collectives",
+    guarantee="zero host waits on 8 GPUs (the recipe)",
+    defect="gpu_compiler_options leaves COLLECTIVES out: the closing loop, which holds the window's all-reduce, stays on the host",
+    edits=(
+      Edit(GPU_RECIPE, '_COLLECTIVES = ("COLLECTIVES",)', "_COLLECTIVES = ()"),
+    ),
+    tests=(
+      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[unreduced]",
+    ),
+  ),
+  Mutant(
+    name="recipe_drops_a_default_kind",
+    guarantee="the recipe keeps XLA's defaults",
+    defect="gpu_compiler_options replaces XLA's default list without CONDITIONAL",
+    edits=(Edit(GPU_RECIPE, '  "CONDITIONAL",\n', ""),),
+    tests=("tests/test_host_waits.py",),
+  ),
+  Mutant(
+    name="target_without_a_driver_version",
+    guarantee="zero host waits on a GPU (the audit sees what a GPU runs)",
+    defect="the compile-only H100 reports driver 0.0.0, for which XLA:GPU"
+    " keeps loops out of command buffers whatever the options say",
+    edits=(Edit(GPU_COMPILE, '  driver_version: "13.0.0"\n', ""),),
+    tests=("tests/test_gpu_program.py::test_one_gpu[adam]",),
   ),
 )

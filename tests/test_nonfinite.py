@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from window_state import without_stale_accumulator
 
 import ga_optax
 
@@ -106,8 +107,10 @@ def test_skipped_micro_step_leaves_no_trace_but_the_count(
   # The last micro-step of the poisoned run is skipped, so it did not emit.
   assert not bool(state.emitted) and bool(clean_state.emitted)
   chex.assert_trees_all_equal(
-    state._replace(num_skipped=clean_state.num_skipped, emitted=True),
-    clean_state,
+    without_stale_accumulator(
+      state._replace(num_skipped=clean_state.num_skipped, emitted=True)
+    ),
+    without_stale_accumulator(clean_state),
   )
   chex.assert_trees_all_equal(params, clean_params)
   kept = [u for i, u in enumerate(updates) if i not in poisoned_at]

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from window_state import without_stale_accumulator
 
 import ga_optax
 from ga_optax.testing import max_relative_difference
@@ -105,10 +106,8 @@ def _assert_runs_close(actual, expected):
   # which XLA keeps in float32 (the window's loop form, what GPUs run):
   # bfloat16 leaves are held to a few of their own steps, over a whole run.
   chex.assert_trees_all_equal_dtypes(actual, expected)
-  actual, expected = (
-    _without_stale_buffers(actual),
-    _without_stale_buffers(expected),
-  )
+  actual = without_stale_accumulator(actual)
+  expected = without_stale_accumulator(expected)
   for got, want in zip(
     jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
   ):
@@ -117,24 +116,6 @@ def _assert_runs_close(actual, expected):
     else:
       rtol = 1e-5
     chex.assert_trees_all_close(got, want, rtol=rtol, atol=1e-6)
-
-
-def _without_stale_buffers(run: Any) -> Any:
-  """``run`` with the accumulator of a closed window zeroed.
-
-  Between windows the accumulator's buffer holds whatever the closing side
-  left there (its updates, say), which the next micro-step overwrites: no
-  number of the run depends on it.
-  """
-
-  def clear(node: Any) -> Any:
-    if isinstance(node, ga_optax.AccumulateState) and int(node.micro_step) == 0:
-      return node._replace(accumulator=optax.tree.zeros_like(node.accumulator))
-    return node
-
-  return jax.tree.map(
-    clear, run, is_leaf=lambda node: isinstance(node, ga_optax.AccumulateState)
-  )
 
 
 def test_the_runs_do_drift_out_of_phase():

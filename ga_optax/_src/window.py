@@ -16,18 +16,13 @@ measured (:mod:`ga_optax._src.noise_scale`).
 
 How buffers flow decides the cost (see docs/compiled-window.md): each side
 is a loop of at most one trip (:mod:`ga_optax._src.run_once`) that carries
-only what it writes, in place, so a micro-step copies nothing on XLA:GPU.
-Where the closing side writes its output (the updates) into the
-accumulator, the first micro-step of a window overwrites that stale buffer
-instead of adding, and the closing side adds the last gradient in the
-optimizer's own pass, so the accumulator is read once; on the CPU, where
-loop bodies run on one core, the gradient is added first and the closing
-side is a conditional (:meth:`MicroStep.add_first`; the choice of form is
-made in :mod:`ga_optax._src.window_form`). Where the output goes elsewhere
-(new params), the closing side leaves zeros in the accumulator, and every
-micro-step adds plainly, first, in both forms: XLA:GPU then computes the
-add in the epilogue of the matrix product that makes the gradient
-(:meth:`MicroStep.add_then_clear`).
+only what it writes, in place, so a micro-step copies nothing on XLA:GPU;
+the first micro-step of a window overwrites the accumulator instead of
+adding, so no call spends a pass zeroing it; and the closing side adds the
+last gradient in the optimizer's own pass, so the accumulator is read once.
+On the CPU, where loop bodies run on one core, the gradient is added first
+and the closing side is a conditional (:meth:`MicroStep.add_first`); the
+choice of form is made in :mod:`ga_optax._src.window_form`.
 """
 
 from __future__ import annotations

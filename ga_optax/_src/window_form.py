@@ -13,10 +13,6 @@ the compiled program can say so in two forms:
   its cores outside a branch but not inside a loop body, and its copy
   insertion copies nothing for a branch that forwards its operands.
 
-Where the closing side does not write into the accumulator
-(``accumulate_and_apply``), both forms add first; they differ only in
-what each branch is, a loop or a conditional.
-
 By default the platform decides, when the step is lowered
 (``jax.lax.platform_dependent``): the CPU takes the conditional form, every
 other platform the loops. The environment variable

@@ -85,13 +85,6 @@ TARGETS = [
     1.15,
   ),
   (
-    "accumulate_and_apply(adam) micro-step / floor (gradient + add)",
-    ("ga_optax.accumulate_and_apply", "micro_step"),
-    (FLOOR, "micro_step"),
-    1.05,
-    None,
-  ),
-  (
     "noise-scale micro-step / micro-step without",
     ("ga_optax.accumulate + noise scale", "micro_step"),
     ("ga_optax.accumulate", "micro_step"),

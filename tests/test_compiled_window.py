@@ -72,10 +72,9 @@ def test_the_optimizer_runs_only_on_the_closing_side(make):
   program = compiled_step(tx, fused)
   # In the conditional form (the CPU's) the gradient is added before the
   # closing side, which is a conditional; in the loop form both sides are
-  # loops (window_form.py says why), but for an output that is not written
-  # into the accumulator (new params): the add comes first in both forms.
+  # loops (window_form.py says why).
   form = window_form.form_for(jax.default_backend())
-  keep_open = 1 if form == window_form.LOOPS and not fused else 0
+  keep_open = 1 if form == window_form.LOOPS else 0
   assert testing.window_sides(program) == {
     "keep_open": keep_open,
     "close_window": 1,

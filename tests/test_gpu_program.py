@@ -157,9 +157,7 @@ def assert_the_host_never_waits(waits: testing.HostWaits) -> None:
 
 def assert_the_window_keeps_its_promises(program: Any) -> None:
   sides = testing.window_sides(program)
-  # Keeping the window open is a loop of its own where the closing side
-  # writes its output into the accumulator; elsewhere the add comes first.
-  assert sides["keep_open"] in (0, 1), sides
+  assert sides["keep_open"] == 1, sides
   assert sides["close_window"] >= 1, sides
   micro_step = testing.path_audit(program, "micro_step")
   assert micro_step.misplaced_closing_work == [], micro_step
@@ -394,17 +392,12 @@ def test_under_xla_defaults_the_host_drives_each_side(case):
     testing.parse_hlo(default.program.as_text()).computations
     == testing.parse_hlo(recipe.program.as_text()).computations
   )
-  sides = testing.window_sides(default.program)
-  keeps_open, closes = sides["keep_open"], sides["close_window"]
-  # Where the add comes first, a branch no path takes clears a window that
-  # closed without weight; where keeping open is a loop, there is none.
-  clears = 1 - keeps_open
-  assert len(default.on_host) == keeps_open + closes + clears, default
-  # A branch a call runs waits before its one trip and after it; each
-  # branch it skips, once (a closing side nested in the closing side is
-  # not reached on a micro-step).
-  assert default.micro_step == 2 * keeps_open + 1 + clears
-  assert default.closing == keeps_open + 2 * closes + clears
+  closing_sides = testing.window_sides(default.program)["close_window"]
+  assert len(default.on_host) == 1 + closing_sides, default.top_level
+  # The side a call runs waits before its one trip and after it; each
+  # side it skips, once.
+  assert default.micro_step == 2 + 1
+  assert default.closing == 1 + 2 * closing_sides
 
 
 def test_without_collectives_the_closing_side_stays_on_the_host():

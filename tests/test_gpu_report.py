@@ -165,10 +165,7 @@ def check_compiled_program(results, keeps_open_in_a_loop):
     sides = path["window_sides"]
     if name in WINDOWS:
       assert sides["close_window"] >= 1, name
-      # New params are not written into the accumulator: the add comes
-      # first, in both forms.
-      in_a_loop = keeps_open_in_a_loop and "accumulate_and_apply" not in name
-      assert (sides["keep_open"] >= 1) == in_a_loop, name
+      assert (sides["keep_open"] >= 1) == keeps_open_in_a_loop, name
     else:
       assert sides == {"keep_open": 0, "close_window": 0}, name
   assert len(results["ratios"]) == len(compiled.TARGETS)

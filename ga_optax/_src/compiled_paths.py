@@ -115,8 +115,6 @@ def trips_on_path(instruction: HloInstruction, path: Path) -> int:
   A loop of unknown trip count outside the window counts once.
   """
   side = window_side(instruction)
-  if side == run_once.CLEAR_EMPTY_WINDOW:
-    return 0
   if side is not None:
     runs = (side == run_once.CLOSE_WINDOW) == (path == "closing")
     return int(runs)
@@ -133,8 +131,6 @@ def branches_taken(instruction: HloInstruction, path: Path) -> list[str]:
   side = window_side(instruction)
   if side is None:
     closing = path == "closing"
-  elif side == run_once.CLEAR_EMPTY_WINDOW:
-    closing = False
   else:
     # A side of the window compiled as a conditional: its true branch is
     # the side's body, taken on the path that runs the side.
@@ -309,17 +305,14 @@ def window_sides(program: Any) -> dict[str, int]:
     ``{"keep_open": n, "close_window": m}``: a step built on one
     ``accumulate`` holds one of each (and, for a window whose weight is
     known only after its reduction, a second closing side inside the
-    first). A step whose output does not live in the accumulator (new
-    params) adds first, outside any loop: it holds no ``keep_open``. The
-    branch that clears a window closed without weight, which no path takes,
-    is not a side.
+    first).
   """
   module = as_module(program)
   found = {run_once.KEEP_OPEN: 0, run_once.CLOSE_WINDOW: 0}
   for instructions in module.computations.values():
     for instruction in instructions:
       side = window_side(instruction)
-      if side in found:
+      if side is not None:
         found[side] += 1
   return {
     "keep_open": found[run_once.KEEP_OPEN],

@@ -302,12 +302,6 @@ _SIDE_OPS = {"while": "while", "conditional": "cond"}
 # Scopes JAX adds around the ops of a call it inlines (jax 0.12 evaluates a
 # closed-over jaxpr under ``eval_jaxpr``): they name no op of their own.
 _CALL_SCOPES = frozenset({"eval_jaxpr"})
-# The scopes of the window's branches (:mod:`ga_optax._src.run_once`).
-_BRANCH_SCOPES = (
-  run_once.KEEP_OPEN,
-  run_once.CLOSE_WINDOW,
-  run_once.CLEAR_EMPTY_WINDOW,
-)
 
 
 def window_side(instruction: HloInstruction) -> str | None:
@@ -325,7 +319,9 @@ def window_side(instruction: HloInstruction) -> str | None:
     return None
   scopes = instruction.op_name.split("/")
   found = [
-    index for index, scope in enumerate(scopes) if scope in _BRANCH_SCOPES
+    index
+    for index, scope in enumerate(scopes)
+    if scope in (run_once.KEEP_OPEN, run_once.CLOSE_WINDOW)
   ]
   if not found:
     return None

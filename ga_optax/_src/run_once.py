@@ -55,9 +55,6 @@ Carry = TypeVar("Carry")
 # ``op_name`` of the compiled loops.
 KEEP_OPEN = "ga_optax_keep_open"
 CLOSE_WINDOW = "ga_optax_close_window"
-# A branch that no path of the window takes: a window that closes without
-# stepping (it holds no weight) clears its accumulator there.
-CLEAR_EMPTY_WINDOW = "ga_optax_clear_empty_window"
 
 
 def run_once_if(
@@ -74,8 +71,7 @@ def run_once_if(
     body: maps ``carry`` to a tree of the same structure, shapes and dtypes.
     carry: what ``body`` reads and writes in place.
     name: the loop's scope, :data:`KEEP_OPEN` or :data:`CLOSE_WINDOW` for
-      the window's two sides, :data:`CLEAR_EMPTY_WINDOW` for the branch no
-      path takes.
+      the window's two sides.
 
   Returns:
     ``body(carry)`` or ``carry``.

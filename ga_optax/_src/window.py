@@ -196,7 +196,11 @@ class Window:
       extra_args,
       accumulator=residency.to_device_after(state.accumulator, grads),
     )
-    accumulator, closed = micro_step.run(decision.steps)
+    accumulator, closed = window_form.choose(
+      decision.steps,
+      conditional=micro_step.add_first,
+      loops=micro_step.folded,
+    )
     output = closed[micro_step.carrier]
     new_state = AccumulateState(
       micro_step=jnp.where(decision.closes, 0, decision.micro_step),
@@ -307,15 +311,11 @@ class MicroStep:
   def added(self, accumulator: optax.Updates, grads: optax.Updates) -> Any:
     """``accumulator`` with ``weight * grads`` added, scaled by the decision.
 
-    Where the closing side writes its output into the accumulator, the
-    first micro-step of a window overwrites that stale buffer: a select,
+    The first micro-step of a window overwrites the stale buffer: a select,
     not a multiply, since a stale buffer may hold anything, NaN too.
-    Elsewhere the closing side leaves zeros there, and the add is plain,
-    which XLA:GPU computes in the epilogue of the matrix product that makes
-    the gradient: the gradient is never written to memory.
     """
     window, admitted = self.window, self.admitted
-    restarts = (self.state.micro_step == 0) & (self.carrier == "accumulator")
+    restarts = self.state.micro_step == 0
     weight = window.parallel.factor(self.weight)
     scale = window.parallel.factor(self.decision.scale)
     scaled = window.parallel.weights_are_global and window.reduction == "mean"
@@ -329,55 +329,6 @@ class MicroStep:
 
     return jax.tree.map(add_grad, accumulator, grads)
 
-  def run(self, steps: jax.Array) -> tuple[Any, dict[str, Any]]:
-    """The micro-step's add and its closing side; the accumulator and what
-    the closing side left.
-
-    An output written into the accumulator (``accumulate``'s updates)
-    leaves it stale, and each form has its own way to add into it
-    (:mod:`ga_optax._src.window_form`); any other output (new params) lets
-    the closing side clear it, and the add comes first in both forms.
-    """
-    if self.carrier == "accumulator":
-      return window_form.choose(
-        steps, conditional=self.add_first, loops=self.folded
-      )
-    return self.add_then_clear(steps)
-
-  def add_then_clear(self, steps: jax.Array) -> tuple[Any, dict[str, Any]]:
-    """The gradient added first, then the closing side, which clears.
-
-    The closing side leaves zeros in the accumulator as it steps, in the
-    optimizer's own pass over it; a window that closes without stepping
-    (no weight) is cleared on a branch of its own, which no other call
-    takes.
-    """
-    opened = self.keep_open(self.open_carry())
-    closing = ClosingSide(self, opened["accumulator"], adds=False, clears=True)
-    closed = run_once.run_once_if(
-      steps, closing.close, closing.carry(opened), name=run_once.CLOSE_WINDOW
-    )
-    accumulator = run_once.run_once_if(
-      self.decision.closes & ~closed["stepped"],
-      self.cleared,
-      closed["accumulator"],
-      name=run_once.CLEAR_EMPTY_WINDOW,
-    )
-    return accumulator, closed
-
-  def cleared(self, accumulator: optax.Updates) -> optax.Updates:
-    """Zeros in the accumulator's buffers, for the next window.
-
-    A select with the branch's (true) condition, not the zeros alone: XLA
-    would make one buffer of zeros and copy it into each leaf's, where a
-    select writes each buffer in place.
-    """
-    closes = self.decision.closes
-    return jax.tree.map(
-      lambda total: jnp.where(closes, jnp.zeros_like(total), total),
-      accumulator,
-    )
-
   def folded(self, steps: jax.Array) -> tuple[Any, dict[str, Any]]:
     """The two sides as loops, the last gradient added by the closing one.
 
@@ -388,7 +339,7 @@ class MicroStep:
     opened = run_once.run_once_if(
       ~steps, self.keep_open, self.open_carry(), name=run_once.KEEP_OPEN
     )
-    closing = ClosingSide(self, opened["accumulator"], adds=True, clears=False)
+    closing = ClosingSide(self, opened["accumulator"], adds=True)
     closed = run_once.run_once_if(
       steps, closing.close, closing.carry(opened), name=run_once.CLOSE_WINDOW
     )
@@ -403,7 +354,7 @@ class MicroStep:
     once (a micro-step of the reference MLP took twice as long).
     """
     opened = self.keep_open(self.open_carry())
-    closing = ClosingSide(self, opened["accumulator"], adds=False, clears=False)
+    closing = ClosingSide(self, opened["accumulator"], adds=False)
     closed = run_once.run_once_if(
       steps, closing.close, closing.carry(opened), name=run_once.CLOSE_WINDOW
     )
@@ -455,14 +406,11 @@ class ClosingSide:
       when it does not carry the output.
     adds: whether this side adds the last gradient (it is then not in
       ``opened_accumulator``, since the other side did not run).
-    clears: whether this side leaves zeros in the accumulator for the next
-      window as it steps.
   """
 
   micro_step: MicroStep
   opened_accumulator: optax.Updates
   adds: bool
-  clears: bool
 
   def carry(self, opened: dict[str, Any]) -> dict[str, Any]:
     """What closing the window writes, its output's buffer among them.
@@ -482,9 +430,9 @@ class ClosingSide:
       "every_k": micro_step.state.every_k,
       "stepped": jnp.zeros((), jnp.bool_),
     }
-    if micro_step.carrier == "accumulator" or self.clears:
+    if micro_step.carrier == "accumulator":
       carry["accumulator"] = opened["accumulator"]
-    if micro_step.carrier == "grads":
+    elif micro_step.carrier == "grads":
       carry["grads"] = micro_step.grads
     elif micro_step.carrier == "params":
       carry["params"] = micro_step.params
@@ -579,8 +527,6 @@ class ClosingSide:
       window_weight=total_weight,
       full=micro_step.decision.micro_step >= micro_step.decision.every_k,
     )
-    if self.clears:
-      carry = {**carry, "accumulator": micro_step.cleared(carry["accumulator"])}
     return {
       **carry,
       micro_step.carrier: window.output.closing_output(

@@ -257,6 +257,35 @@ def test_state_is_that_of_accumulate():
   chex.assert_trees_all_equal(params, _params())
 
 
+@pytest.mark.parametrize("first", ["accumulate", "accumulate_and_apply"])
+def test_a_state_closed_by_one_path_continues_in_the_other(first):
+  # A window's closing call leaves its accumulator stale (accumulate writes
+  # its updates there): the next window, in either path, must not add to it.
+  optimizer = optax.sgd(1.0)
+  paths = {
+    "accumulate": ga_optax.accumulate(optimizer, 2),
+    "accumulate_and_apply": ga_optax.accumulate_and_apply(optimizer, 2),
+  }
+  second = next(name for name in paths if name != first)
+
+  def run(name, params, state, grads):
+    tx = paths[name]
+    if name == "accumulate":
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+    return tx.apply(params, grads, state)
+
+  params, state = _params(), paths[first].init(_params())
+  expected = _params()
+  for name, seeds in ((first, (0, 1)), (second, (2, 3))):
+    for seed in seeds:
+      params, state = run(name, params, state, _grads(seed))
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, *map(_grads, seeds))
+    expected = jax.tree.map(lambda p, g: p - g, expected, mean)
+  chex.assert_tree_all_finite(params)
+  chex.assert_trees_all_close(params, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_extra_args_reach_the_optimizer():
   optimizer = optax.chain(
     optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5)

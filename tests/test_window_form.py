@@ -129,17 +129,26 @@ def final_loss(params: Any) -> jax.Array:
 
 
 def accumulated_run(
-  learning_rate: jax.Array, make: Callable[..., Any]
+  learning_rate: jax.Array, make: Callable[..., Any], fused: bool = False
 ) -> jax.Array:
-  """The loss after two windows of ``accumulate``, as a function of the rate."""
-  tx = ga_optax.accumulate(make(learning_rate), K)
+  """The loss after two windows, as a function of the rate: of
+  ``accumulate``, or of ``accumulate_and_apply`` (``fused``), whose closing
+  side returns new params."""
+  optimizer = make(learning_rate)
+  if fused:
+    tx = ga_optax.accumulate_and_apply(optimizer, K)
+  else:
+    tx = ga_optax.accumulate(optimizer, K)
   params = initial_params()
   state = tx.init(params)
   inputs, targets = data()
   for index in range(MICRO_BATCHES):
     grads = jax.grad(loss_fn)(params, inputs[index], targets[index])
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    if fused:
+      params, state = tx.apply(params, grads, state)
+    else:
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
   return final_loss(params)
 
 
@@ -184,19 +193,10 @@ def test_reverse_mode_through_windows_under_jit(form, name):
 
 
 def test_reverse_mode_through_the_fused_path(form):
-  # accumulate_and_apply returns new params from the closing side.
-  def run(learning_rate: jax.Array) -> jax.Array:
-    tx = ga_optax.accumulate_and_apply(optax.adam(learning_rate), K)
-    params = initial_params()
-    state = tx.init(params)
-    inputs, targets = data()
-    for index in range(MICRO_BATCHES):
-      grads = jax.grad(loss_fn)(params, inputs[index], targets[index])
-      params, state = tx.apply(params, grads, state)
-    return final_loss(params)
-
   learning_rate = jnp.asarray(0.05)
-  derivative = jax.jit(jax.grad(run))(learning_rate)
+  derivative = jax.jit(
+    jax.grad(lambda lr: accumulated_run(lr, optax.adam, fused=True))
+  )(learning_rate)
   expected = jax.grad(lambda lr: large_batch_run(lr, optax.adam))(learning_rate)
   assert np.isfinite(derivative)
   np.testing.assert_allclose(derivative, expected, rtol=2e-5, atol=1e-7)

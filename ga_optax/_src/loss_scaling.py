@@ -32,8 +32,8 @@ import numpy as np
 import optax
 
 from ga_optax._src import validation
+from ga_optax._src.counters import increment_if
 from ga_optax._src.state import find_one
-from ga_optax._src.window import increment_if
 
 
 class DynamicLossScaleState(NamedTuple):

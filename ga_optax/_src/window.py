@@ -46,6 +46,7 @@ from ga_optax._src import (
   validation,
   window_form,
 )
+from ga_optax._src.counters import increment_if
 from ga_optax._src.noise_scale import Measured, Unmeasured
 from ga_optax._src.output import ApplyToParams, EmitUpdates
 from ga_optax._src.parallel import Parallel
@@ -78,12 +79,6 @@ class Decision(NamedTuple):
   closes: jax.Array
   steps: jax.Array
   scale: jax.Array
-
-
-def increment_if(count: jax.Array, condition: jax.Array) -> jax.Array:
-  """Adds one where ``condition`` holds, saturating at the int32 maximum."""
-  limit = jnp.iinfo(count.dtype).max
-  return jnp.where(condition & (count < limit), count + 1, count)
 
 
 @dataclasses.dataclass(frozen=True)

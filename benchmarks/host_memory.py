@@ -9,7 +9,7 @@ For each workload, compiles and runs the same jitted, donated train step
 * accumulator and Adam state on host: also ``inner_state_memory_kind``.
 
 Device bytes are read from XLA's analysis of each executable
-(``ga_optax._src.device_memory.device_bytes``: arguments, outputs that do not
+(``ga_optax._src.planning.device_memory.device_bytes``: arguments, outputs that do not
 reuse an argument's buffer and temporaries, in device memory only) and
 compared with the bytes of the state that was moved to the host. Step times
 are medians over interleaved rounds, as in ``benchmarks/run.py``. With
@@ -49,7 +49,7 @@ import optax  # noqa: E402
 import ga_optax  # noqa: E402
 from benchmarks import run as run_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
-from ga_optax._src import device_memory  # noqa: E402
+from ga_optax._src.planning import device_memory  # noqa: E402
 
 MIB = 2**20
 LEARNING_RATE = 1e-4

@@ -34,7 +34,7 @@ import optax  # noqa: E402
 import ga_optax  # noqa: E402
 from benchmarks import host_memory as host_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
-from ga_optax._src import device_memory  # noqa: E402
+from ga_optax._src.planning import device_memory  # noqa: E402
 
 MIB = 2**20
 # A micro-step's memory does not grow with k: any k fits, and the effective

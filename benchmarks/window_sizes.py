@@ -2,7 +2,7 @@
 
 ga_optax compiles each side of a window as a loop of at most one trip on a
 GPU, which XLA:GPU compiles without copies, and as an add followed by a
-conditional on the CPU (``ga_optax/_src/window_form.py`` chooses). Both forms make
+conditional on the CPU (``ga_optax/_src/window/window_form.py`` chooses). Both forms make
 the device's runtime read a predicate before it goes on; ``optax.MultiSteps``
 has no control flow and runs the optimizer on every call instead. Which
 costs more depends on the model's size: the bytes the optimizer moves grow

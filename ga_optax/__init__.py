@@ -1,44 +1,48 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
 
-from ga_optax._src.adaptive import AdaptiveK, adaptive_k
-from ga_optax._src.batch_size import goodput_k, suggested_k, warmup_schedule
-from ga_optax._src.batchnorm import combine_batch_stats
-from ga_optax._src.elastic import (
-  ElasticPlan,
-  best_global_batch_size,
-  elastic_plan,
-  valid_device_counts,
-)
-from ga_optax._src.flax_utils import apply_gradients
-from ga_optax._src.gpu_recipe import gpu_compiler_options
-from ga_optax._src.loss_scaling import (
-  DynamicLossScaleState,
-  dropped_windows,
-  dynamic_loss_scale,
-  loss_scale,
-)
-from ga_optax._src.microbatch import (
-  microbatched_value_and_grad,
-  unreduced_value_and_grad,
-)
-from ga_optax._src.noise_scale import (
+from ga_optax._src.algebra.noise_scale import (
   NoiseScale,
   NoiseScaleAverages,
   NoiseScaleEstimate,
   smooth_noise_scale,
 )
-from ga_optax._src.parallel.partial_sums import (
+from ga_optax._src.batch_size.adaptive import AdaptiveK, adaptive_k
+from ga_optax._src.batch_size.advice import (
+  goodput_k,
+  suggested_k,
+  warmup_schedule,
+)
+from ga_optax._src.planning.elastic import (
+  ElasticPlan,
+  best_global_batch_size,
+  elastic_plan,
+  valid_device_counts,
+)
+from ga_optax._src.planning.partial_sums import (
   consolidate,
   split_total,
   stack_partial_sums,
   unstack_partial_sums,
 )
-from ga_optax._src.planner import (
+from ga_optax._src.planning.planner import (
   MicrobatchPlan,
   micro_step_bytes,
   plan_microbatch,
 )
-from ga_optax._src.state import (
+from ga_optax._src.recipes.batchnorm import combine_batch_stats
+from ga_optax._src.recipes.flax_utils import apply_gradients
+from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
+from ga_optax._src.recipes.loss_scaling import (
+  DynamicLossScaleState,
+  dropped_windows,
+  dynamic_loss_scale,
+  loss_scale,
+)
+from ga_optax._src.scan.microbatch import (
+  microbatched_value_and_grad,
+  unreduced_value_and_grad,
+)
+from ga_optax._src.window.state import (
   AccumulateState,
   applied_updates,
   current_k,
@@ -46,7 +50,7 @@ from ga_optax._src.state import (
   noise_scale,
   num_skipped,
 )
-from ga_optax._src.transform import (
+from ga_optax._src.window.transform import (
   FusedAccumulation,
   accumulate,
   accumulate_and_apply,

@@ -42,23 +42,23 @@ import numpy as np
 import optax
 
 from ga_optax._src import validation
-from ga_optax._src.compiled_paths import (
+from ga_optax._src.audits.compiled_paths import (
   Copy,
   PathAudit,
   path_audit,
   window_sides,
 )
-from ga_optax._src.gpu_compile import (
+from ga_optax._src.audits.gpu_compile import (
   GpuCompilerUnavailable,
   compile_for_gpu,
   gpu_devices,
 )
-from ga_optax._src.gpu_conditionals import (
+from ga_optax._src.audits.gpu_conditionals import (
   ConditionalAudit,
   EmulationUnavailable,
   gpu_conditional_audit,
 )
-from ga_optax._src.hlo import (
+from ga_optax._src.audits.hlo import (
   Collective,
   HloInstruction,
   HloModule,
@@ -66,15 +66,18 @@ from ga_optax._src.hlo import (
   parse_hlo,
   reachable,
 )
-from ga_optax._src.hlo_audits import (
+from ga_optax._src.audits.hlo_audits import (
   WindowCollectives,
   dot_shapes,
   loop_collectives,
   window_collectives,
 )
-from ga_optax._src.host_waits import HostWaits, count_host_waits, host_waits
-from ga_optax._src.transform import accumulate
-from ga_optax._src.tree_difference import (
+from ga_optax._src.audits.host_waits import (
+  HostWaits,
+  count_host_waits,
+  host_waits,
+)
+from ga_optax._src.audits.tree_difference import (
   PathFilter,
   excluded_paths,
   leaf_difference,
@@ -83,6 +86,7 @@ from ga_optax._src.tree_difference import (
   paired_leaves,
   relative_difference,
 )
+from ga_optax._src.window.transform import accumulate
 
 __all__ = [
   "Collective",

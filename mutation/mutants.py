@@ -34,7 +34,7 @@ class Mutant(NamedTuple):
   """A defect, the guarantee it breaks, and the tests that must catch it.
 
   ``window_form`` pins the window's form while the tests run
-  (``GA_OPTAX_WINDOW_FORM``, see ga_optax/_src/window_form.py): a defect in
+  (``GA_OPTAX_WINDOW_FORM``, see ga_optax/_src/window/window_form.py): a defect in
   code that only the loops run is executed on the CPU under ``"loops"``.
   """
 
@@ -46,27 +46,27 @@ class Mutant(NamedTuple):
   window_form: str | None = None
 
 
-WINDOW = "ga_optax/_src/window.py"
-RUN_ONCE = "ga_optax/_src/run_once.py"
-OUTPUT = "ga_optax/_src/output.py"
-MICROBATCH = "ga_optax/_src/microbatch_scan.py"
-MICROBATCH_DEVICES = "ga_optax/_src/microbatch_devices.py"
-HLO = "ga_optax/_src/hlo.py"
-DEVICE_MEMORY = "ga_optax/_src/device_memory.py"
-PLANNER = "ga_optax/_src/planner.py"
-TREE_DIFFERENCE = "ga_optax/_src/tree_difference.py"
-BATCHNORM = "ga_optax/_src/batchnorm.py"
-NOISE_SCALE = "ga_optax/_src/noise_scale.py"
-ADAPTIVE = "ga_optax/_src/adaptive.py"
-ELASTIC = "ga_optax/_src/elastic.py"
-COLLECTIVE = "ga_optax/_src/parallel/collective.py"
-UNREDUCED = "ga_optax/_src/parallel/unreduced.py"
-PARTIAL_SUMS = "ga_optax/_src/parallel/partial_sums.py"
-ZERO = "ga_optax/_src/parallel/zero.py"
-COMPILED_PATHS = "ga_optax/_src/compiled_paths.py"
-HOST_WAITS = "ga_optax/_src/host_waits.py"
-GPU_RECIPE = "ga_optax/_src/gpu_recipe.py"
-GPU_COMPILE = "ga_optax/_src/gpu_compile.py"
+WINDOW = "ga_optax/_src/window/window.py"
+RUN_ONCE = "ga_optax/_src/window/run_once.py"
+OUTPUT = "ga_optax/_src/window/output.py"
+MICROBATCH = "ga_optax/_src/scan/microbatch_scan.py"
+MICROBATCH_DEVICES = "ga_optax/_src/scan/microbatch_devices.py"
+HLO = "ga_optax/_src/audits/hlo.py"
+DEVICE_MEMORY = "ga_optax/_src/planning/device_memory.py"
+PLANNER = "ga_optax/_src/planning/planner.py"
+TREE_DIFFERENCE = "ga_optax/_src/audits/tree_difference.py"
+BATCHNORM = "ga_optax/_src/recipes/batchnorm.py"
+NOISE_SCALE = "ga_optax/_src/algebra/noise_scale.py"
+ADAPTIVE = "ga_optax/_src/batch_size/adaptive.py"
+ELASTIC = "ga_optax/_src/planning/elastic.py"
+COLLECTIVE = "ga_optax/_src/placements/collective.py"
+UNREDUCED = "ga_optax/_src/placements/unreduced.py"
+PARTIAL_SUMS = "ga_optax/_src/planning/partial_sums.py"
+ZERO = "ga_optax/_src/placements/zero.py"
+COMPILED_PATHS = "ga_optax/_src/audits/compiled_paths.py"
+HOST_WAITS = "ga_optax/_src/audits/host_waits.py"
+GPU_RECIPE = "ga_optax/_src/recipes/gpu_recipe.py"
+GPU_COMPILE = "ga_optax/_src/audits/gpu_compile.py"
 
 MUTANTS: tuple[Mutant, ...] = (
   # Equivalence with the large batch.
@@ -161,7 +161,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_accumulate.py",
-      "ga_optax/_src/transform.py",
+      "ga_optax/_src/window/transform.py",
     ),
   ),
   Mutant(
@@ -592,7 +592,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " run resumed with another k keeps the saved one",
     edits=(
       Edit(
-        "ga_optax/_src/every_k.py",
+        "ga_optax/_src/batch_size/every_k.py",
         '    """The schedule\'s k: a state resumed under another schedule follows it."""\n'
         "    del every_k\n"
         "    return self.schedule(update_step)",
@@ -614,7 +614,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " current_k as they are: NaN, uphill or zero updates",
     edits=(
       Edit(
-        "ga_optax/_src/every_k.py",
+        "ga_optax/_src/batch_size/every_k.py",
         "    return jnp.maximum(jnp.asarray(schedule(update_step), jnp.int32), 1)",
         "    return jnp.asarray(schedule(update_step), jnp.int32)",
       ),
@@ -746,7 +746,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " scale never backs off",
     edits=(
       Edit(
-        "ga_optax/_src/transform.py",
+        "ga_optax/_src/window/transform.py",
         "    loss_scaling.refuse_skipped_overflows(state.inner_state)\n",
         "",
       ),
@@ -762,7 +762,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " 2**16 is inf: every gradient unscales to 0",
     edits=(
       Edit(
-        "ga_optax/_src/loss_scaling.py",
+        "ga_optax/_src/recipes/loss_scaling.py",
         "  wide = jnp.promote_types(grad.dtype, jnp.float32)",
         "  wide = grad.dtype",
       ),
@@ -779,7 +779,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " reach",
     edits=(
       Edit(
-        "ga_optax/_src/precision.py",
+        "ga_optax/_src/window/precision.py",
         "    return every_k.max_k",
         "    return every_k.initial_k",
       ),
@@ -795,7 +795,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " to the even exponent",
     edits=(
       Edit(
-        "ga_optax/_src/batch_size.py",
+        "ga_optax/_src/batch_size/advice.py",
         "  mantissa, exponent = math.frexp(ratio)\n"
         "  exponent = exponent - 1 + int(mantissa >= math.sqrt(0.5))\n",
         "  exponent = round(math.log2(ratio))\n",
@@ -1070,7 +1070,7 @@ MUTANTS: tuple[Mutant, ...] = (
         WINDOW,
         "    window, admitted = self.window, self.admitted\n",
         "    if self.window.parallel.unreduced_axes:\n"
-        "      from ga_optax._src.parallel import axes as axes_lib\n"
+        "      from ga_optax._src.placements import axes as axes_lib\n"
         "\n"
         "      grads = axes_lib.cast_to_unreduced(\n"
         "        axes_lib.reduce_unreduced(grads, None),\n"
@@ -1090,7 +1090,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " device's own weight, not the sum over the devices",
     edits=(
       Edit(
-        "ga_optax/_src/microbatch_devices.py",
+        "ga_optax/_src/scan/microbatch_devices.py",
         "    return Result(value, stacked, aux, weight_sum, None)",
         "    return Result(value, stacked, aux, sums.weight, None)",
       ),
@@ -1121,7 +1121,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " gradient would be, instead of taking their max",
     edits=(
       Edit(
-        "ga_optax/_src/fp8.py",
+        "ga_optax/_src/algebra/fp8.py",
         "      combined = jnp.maximum(kept, new)",
         "      combined = kept + new",
       ),
@@ -1138,7 +1138,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " device's amaxes instead of the max over every device",
     edits=(
       Edit(
-        "ga_optax/_src/fp8.py",
+        "ga_optax/_src/algebra/fp8.py",
         "    everywhere = across_devices(window, axis_name)\n",
         "    everywhere = window\n",
       ),
@@ -1154,7 +1154,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " instead of the window's weight over every device",
     edits=(
       Edit(
-        "ga_optax/_src/fp8.py",
+        "ga_optax/_src/algebra/fp8.py",
         "    weight_sum = jax.lax.psum(weight_sum, axis_name)\n",
         "",
       ),

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax import testing
-from ga_optax._src import window_form
+from ga_optax._src.window import window_form
 
 
 def loss_fn(params, batch):

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import ga_optax
-from ga_optax._src.every_k import as_window_length
+from ga_optax._src.batch_size.every_k import as_window_length
 
 
 def as_schedule(every_k):

@@ -37,8 +37,8 @@ from gpu_compiler import compiled_for_gpu
 
 import ga_optax
 from ga_optax import testing
-from ga_optax._src import fp8
-from ga_optax._src.state import find_state
+from ga_optax._src.algebra import fp8
+from ga_optax._src.window.state import find_state
 
 pytestmark = pytest.mark.filterwarnings(
   "ignore:The Fp8DotGeneralOp is deprecated:DeprecationWarning"

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 from ga_optax import testing
-from ga_optax._src import gpu_conditionals
+from ga_optax._src.audits import gpu_conditionals
 
 SHAPES = {"w": (32, 16), "b": (16,), "scale": (16,)}
 

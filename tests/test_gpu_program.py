@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax import testing
-from ga_optax._src import run_once
+from ga_optax._src.window import run_once
 
 MiB = 2**20
 # Params of 1 MiB and more: a copy of one would be seen.

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import ga_optax
-from ga_optax._src import precision
+from ga_optax._src.window import precision
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from ga_optax import testing
-from ga_optax._src.hlo import shape_bytes
+from ga_optax._src.audits.hlo import shape_bytes
 from ga_optax.testing import Collective
 
 # A window-closing conditional and nothing else.

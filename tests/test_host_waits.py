@@ -29,7 +29,7 @@ from gpu_compiler import compiled_for_gpu, host_waits_on_gpu
 
 import ga_optax
 from ga_optax import testing
-from ga_optax._src import gpu_compile
+from ga_optax._src.audits import gpu_compile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

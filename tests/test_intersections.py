@@ -33,7 +33,7 @@ from token_windows import (
 
 import ga_optax
 from ga_optax import testing
-from ga_optax._src import residency
+from ga_optax._src.placements import residency
 
 DEVICES = 8
 pytestmark = pytest.mark.skipif(

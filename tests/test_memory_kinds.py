@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax._src import device_memory, residency
+from ga_optax._src.placements import residency
+from ga_optax._src.planning import device_memory
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HOST = "pinned_host"
@@ -60,7 +61,7 @@ def _kinds(tree: Any) -> set[str]:
 
 def assert_placed(state: Any, accumulator_kind: Any, inner_kind: Any) -> None:
   """Every accumulator and inner-state leaf is where it was asked to live."""
-  state = ga_optax._src.state.find_state(state)
+  state = ga_optax._src.window.state.find_state(state)
   assert _kinds(state.accumulator) == {accumulator_kind or "device"}
   assert _kinds(state.inner_state) == {inner_kind or "device"}
   counters = (state.micro_step, state.update_step, state.weight_sum)

@@ -32,7 +32,7 @@ from token_windows import (
 )
 
 import ga_optax
-from ga_optax._src.parallel import axes as axes_lib
+from ga_optax._src.placements import axes as axes_lib
 
 DEVICES = 8
 DECAY = 0.8

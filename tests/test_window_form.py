@@ -1,7 +1,7 @@
 """The window's two forms: chosen in one place, both exact, both differentiable.
 
 ``GA_OPTAX_WINDOW_FORM`` pins the form a step is traced with (see
-ga_optax/_src/window_form.py); CI runs the equivalence tests a second time
+ga_optax/_src/window/window_form.py); CI runs the equivalence tests a second time
 with it set to ``"loops"``, so that the CPU executes the program a GPU runs.
 This module checks the choice itself, what each form lowers to, the loop
 bodies' predicates, and reverse-mode derivatives through a window against
@@ -21,7 +21,7 @@ import pytest
 from jax.extend import core as jax_core
 
 import ga_optax
-from ga_optax._src import window_form
+from ga_optax._src.window import window_form
 
 FORMS = (window_form.LOOPS, window_form.CONDITIONAL)
 

@@ -1,0 +1,438 @@
+"""Float8 state across a window: what Flax's fp8 ops keep beside the params.
+
+Flax's fp8 dot products (``flax.linen.Fp8DirectDotGeneralOp``,
+``Fp8Einsum``, ``Fp8DotGeneralOp``) keep amax histories and scales in the
+``_overwrite_with_gradient`` collection. Their "gradient" is their new value,
+which Flax's ``TrainState`` writes over the old one instead of stepping an
+optimizer. Each call computes, from the state it is given:
+
+* ``*_scale``: the scale for this call, from the largest amax of the old
+  history (delayed scaling): it does not depend on the batch;
+* ``*_amax_history``: the old history rolled by one, with the batch's amax
+  at index 0: only index 0 depends on the batch.
+
+So across a window the state never reaches the optimizer and is never
+summed: it stays at its window-start value, so that every micro-batch
+quantises as the large batch would, and the window keeps a running
+combination of the micro-batches' new values (:class:`Fp8Window`), which
+becomes the state when the window closes (:func:`close`):
+
+* forward histories (``input_``, ``kernel_amax_history``): the elementwise
+  max, which is the large batch's new history exactly;
+* output-gradient histories (``output_grad_amax_history``): at index 0 the
+  max over micro-batches of ``c_i * amax_i``, where ``c_i`` is the factor by
+  which the window's gradient weighs micro-batch ``i``'s gradient
+  (``w_i / W`` for ``reduction="mean"``, ``w_i`` for ``"sum"``): the
+  large batch's output gradient is ``c_i`` times the micro-batch's, row by
+  row, where the backward passes agree (see docs/how-to/mixed-precision.md
+  for when they do);
+* scales: any micro-batch's, identical across the window; the latest.
+
+A micro-batch of weight 0 (padding only) counts in the forward histories,
+since the large batch quantises its rows too, and not in the
+output-gradient ones, where its ``0 / 0`` loss gives NaN.
+
+:func:`micro_step` drives this from outside the window, for
+:func:`ga_optax.apply_gradients`; :func:`combine`, :func:`close` and
+:func:`across_devices` are what an in-step ``lax.scan`` calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ga_optax._src.window.state import AccumulateState
+
+# Flax's name for the collection (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT),
+# spelled here so that Flax stays an optional dependency.
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+REDUCTIONS = ("mean", "sum")
+
+
+class Kind(enum.Enum):
+  """How a leaf of the float8 state combines across micro-batches."""
+
+  FORWARD_HISTORY = "forward amax history"
+  GRADIENT_HISTORY = "output-gradient amax history"
+  SCALE = "scale"
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["combined"],
+  meta_fields=["reduction"],
+)
+@dataclasses.dataclass(frozen=True)
+class Fp8Window:
+  """The open window's running combination of its micro-batches' fp8 state.
+
+  Attributes:
+    combined: a tree like the float8 state: forward histories hold the
+      elementwise max of the micro-batches' new histories; output-gradient
+      histories hold, at index 0, the max of ``weight * amax`` and, after
+      it, the (shared) rolled old history; scales hold the latest. Zeros
+      (the identity of a max of amaxes, which are >= 0) until a micro-batch
+      contributes.
+    reduction: the window's reduction, ``"mean"`` or ``"sum"``: whether
+      :func:`close` divides the output-gradient amax by the window's weight.
+  """
+
+  combined: Any
+  reduction: str = "mean"
+
+
+def split_variables(variables: Any) -> tuple[Any, Any]:
+  """``(params, fp8_state)`` of Flax variables; ``(variables, None)`` else.
+
+  Variables that hold the float8 collection are split as Flax's
+  ``TrainState`` splits them: the optimizer sees their ``"params"``.
+
+  Example:
+    >>> from ga_optax._src import fp8
+    >>> fp8.split_variables({"params": {"w": 1.0},
+    ...                      "_overwrite_with_gradient": {"s": 2.0}})
+    ({'w': 1.0}, {'s': 2.0})
+    >>> fp8.split_variables({"w": 1.0})
+    ({'w': 1.0}, None)
+  """
+  if isinstance(variables, Mapping) and OVERWRITE_WITH_GRADIENT in variables:
+    return variables["params"], variables[OVERWRITE_WITH_GRADIENT]
+  return variables, None
+
+
+def refuse_as_gradients(grads: Any) -> None:
+  """Raises where ``grads`` hold Flax's float8 state, which is not summed.
+
+  Raises:
+    ValueError: ``grads`` hold the ``_overwrite_with_gradient`` collection.
+  """
+  if split_variables(grads)[1] is not None:
+    raise ValueError(
+      f"grads hold Flax's float8 state (the {OVERWRITE_WITH_GRADIENT!r}"
+      " collection), which is combined by a max, never summed: step a float8"
+      " model with ga_optax.apply_gradients(state, grads) around accumulate,"
+      " or differentiate it with microbatched_value_and_grad."
+      " accumulate_and_apply and tx.update take the gradients of"
+      " variables['params'] alone."
+    )
+
+
+def join_variables(variables: Any, params: Any, fp8_state: Any) -> Any:
+  """``variables`` with new ``params`` and float8 state, its other parts kept.
+
+  The inverse of :func:`split_variables`: the container keeps its type (a
+  ``dict``, or a Flax ``FrozenDict``) and any other collection it holds, so
+  that a jitted loop's carry keeps its structure.
+  """
+  if fp8_state is None:
+    return params
+  joined = {
+    **variables,
+    "params": params,
+    OVERWRITE_WITH_GRADIENT: fp8_state,
+  }
+  return type(variables)(joined)
+
+
+def kind_of(path: tuple[Any, ...]) -> Kind:
+  """How the leaf at ``path`` of a float8 state combines, from its name.
+
+  Raises:
+    ValueError: the name is none of Flax's fp8 names.
+  """
+  keys = list(path)
+  # An NNX Variable adds a trailing attribute key for its value.
+  while keys and isinstance(keys[-1], jax.tree_util.GetAttrKey):
+    keys.pop()
+  last = keys[-1] if keys else None
+  name = str(getattr(last, "key", getattr(last, "name", "")))
+  if name.endswith("output_grad_amax_history"):
+    return Kind.GRADIENT_HISTORY
+  if name.endswith("amax_history"):
+    return Kind.FORWARD_HISTORY
+  if name.endswith("scale"):
+    return Kind.SCALE
+  raise ValueError(
+    f"the float8 state ({OVERWRITE_WITH_GRADIENT!r} collection) holds"
+    f" {jax.tree_util.keystr(path)!r}, which is none of Flax's fp8 names"
+    " (*_amax_history, output_grad_amax_history, *_scale): ga_optax does"
+    " not know how a large batch would update it. Keep only Flax's fp8"
+    " ops in that collection."
+  )
+
+
+def _check_state(fp8_state: Any) -> None:
+  """Raises where a leaf is not one of Flax's fp8 leaves."""
+
+  def check(path: tuple[Any, ...], leaf: Any) -> None:
+    kind = kind_of(path)
+    if kind is not Kind.SCALE and jnp.ndim(leaf) < 1:
+      raise ValueError(
+        f"the float8 state's {kind.value} {jax.tree_util.keystr(path)!r}"
+        f" must have a history axis first, got shape {jnp.shape(leaf)}."
+      )
+
+  jax.tree_util.tree_map_with_path(check, fp8_state)
+
+
+def init_window(fp8_state: Any, reduction: str = "mean") -> Fp8Window | None:
+  """The window's running combination before its first micro-batch.
+
+  Args:
+    fp8_state: the ``_overwrite_with_gradient`` collection of Flax
+      variables, or None (a model without float8 state).
+    reduction: how the window reduces its gradients, as
+      :func:`ga_optax.accumulate`'s ``reduction``.
+
+  Returns:
+    An empty :class:`Fp8Window`, or None for None.
+
+  Raises:
+    ValueError: ``reduction`` is neither ``"mean"`` nor ``"sum"``, or the
+      state holds a leaf that is not one of Flax's fp8 leaves.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from ga_optax._src import fp8
+    >>> state = {"input_amax_history": jnp.ones(3), "input_scale": jnp.ones(1)}
+    >>> fp8.init_window(state).combined["input_amax_history"]
+    Array([0., 0., 0.], dtype=float32)
+  """
+  if reduction not in REDUCTIONS:
+    raise ValueError(
+      f"reduction must be one of {REDUCTIONS}, got {reduction!r}."
+    )
+  if fp8_state is None:
+    return None
+  _check_state(fp8_state)
+  return Fp8Window(jax.tree.map(jnp.zeros_like, fp8_state), reduction)
+
+
+def check_like(window: Fp8Window, tree: Any, name: str) -> None:
+  """Raises where ``tree`` does not have the tree of the window's state.
+
+  Raises:
+    ValueError: it does not; the message names it ``name``.
+  """
+  # Annotated Any: the stubs give PyTreeDef an __eq__ but no __ne__.
+  expected: Any = jax.tree.structure(window.combined)
+  if expected != jax.tree.structure(tree):
+    raise ValueError(
+      f"{name} must have the tree of the float8 state the window was made"
+      f" for ({expected}), got {jax.tree.structure(tree)}: make the"
+      " optimizer state with tx.init(variables) for these variables."
+    )
+
+
+def combine(
+  window: Fp8Window,
+  latest: Any,
+  weight: Any,
+  *,
+  contributes: Any = True,
+  restart: Any = False,
+) -> Fp8Window:
+  """The window with one micro-batch's new float8 state combined in.
+
+  Args:
+    window: the running combination.
+    latest: the micro-batch's new float8 state: the "gradient" of the
+      ``_overwrite_with_gradient`` collection, computed from the
+      window-start state.
+    weight: the factor by which the window's sum weighs this micro-batch's
+      gradient (its ``weight=``; 1 where each micro-batch's loss is already
+      its share of the window's loss and the window sums). At 0 (padding
+      only) its output-gradient amax, which may be ``0 / 0``, is left out;
+      its forward amaxes count, as the large batch quantises those rows too.
+    contributes: whether the micro-batch counts at all (a bool scalar):
+      False for a micro-step dropped as non-finite, whose new state may not
+      be finite.
+    restart: whether ``window`` is stale (a bool scalar): True on the first
+      micro-step of a window, which starts from the empty combination.
+
+  Returns:
+    The new running combination.
+
+  Raises:
+    ValueError: ``latest`` does not have the tree of the window's state.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from ga_optax._src import fp8
+    >>> start = {"input_amax_history": jnp.zeros(2),
+    ...          "output_grad_amax_history": jnp.zeros(2)}
+    >>> window = fp8.init_window(start)
+    >>> for amax, weight in ((3.0, 2.0), (1.0, 6.0)):
+    ...   latest = {"input_amax_history": jnp.array([amax, 0.0]),
+    ...             "output_grad_amax_history": jnp.array([amax, 0.0])}
+    ...   window = fp8.combine(window, latest, weight)
+    >>> window.combined["input_amax_history"]  # max(3, 1)
+    Array([3., 0.], dtype=float32)
+    >>> window.combined["output_grad_amax_history"]  # max(2 * 3, 6 * 1)
+    Array([6., 0.], dtype=float32)
+  """
+  check_like(window, latest, "latest")
+  contributes = jnp.asarray(contributes)
+  restart = jnp.asarray(restart)
+
+  def combine_leaf(path: tuple[Any, ...], running: Any, new: Any) -> Any:
+    kept = jnp.where(restart, jnp.zeros_like(running), running)
+    new = jnp.asarray(new, running.dtype)
+    kind = kind_of(path)
+    if kind is Kind.FORWARD_HISTORY:
+      combined = jnp.maximum(kept, new)
+    elif kind is Kind.GRADIENT_HISTORY:
+      # Only index 0 is this micro-batch's; the rest is the rolled old
+      # history, the same for every micro-batch, and is not scaled. A
+      # select, not a product: 0 * NaN is NaN.
+      factor = jnp.asarray(weight, running.dtype)
+      scaled = jnp.where(factor > 0, factor * new[0], jnp.zeros_like(new[0]))
+      combined = new.at[0].set(jnp.maximum(kept[0], scaled))
+    else:
+      combined = new
+    return jnp.where(contributes, combined, kept)
+
+  return dataclasses.replace(
+    window,
+    combined=jax.tree_util.tree_map_with_path(
+      combine_leaf, window.combined, latest
+    ),
+  )
+
+
+def close(window: Fp8Window, start: Any, weight_sum: Any) -> Any:
+  """The float8 state a closing window leaves: the large batch's new state.
+
+  Args:
+    window: the running combination, every micro-batch combined in.
+    start: the float8 state at the start of the window.
+    weight_sum: the window's total weight ``W`` (over every device), the
+      sum of the weights of the micro-batches that contributed.
+
+  Returns:
+    A tree like ``start``: the combination, the output-gradient amaxes
+    divided by ``W`` for ``reduction="mean"``; ``start`` itself where the
+    window holds no weight (nothing contributed).
+
+  Raises:
+    ValueError: ``start`` does not have the tree of the window's state.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from ga_optax._src import fp8
+    >>> start = {"output_grad_amax_history": jnp.array([5.0, 4.0])}
+    >>> window = fp8.init_window(start)
+    >>> latest = {"output_grad_amax_history": jnp.array([3.0, 5.0])}
+    >>> window = fp8.combine(window, latest, 2.0)
+    >>> fp8.close(window, start, 8.0)["output_grad_amax_history"]
+    Array([0.75, 5.  ], dtype=float32)
+    >>> fp8.close(window, start, 0.0)["output_grad_amax_history"]
+    Array([5., 4.], dtype=float32)
+  """
+  check_like(window, start, "start")
+  weight_sum = jnp.asarray(weight_sum)
+  has_weight = weight_sum > 0
+  # The guard keeps an empty window from computing 0 / 0; it keeps start.
+  divisor = jnp.where(has_weight, weight_sum, jnp.ones_like(weight_sum))
+
+  def close_leaf(path: tuple[Any, ...], combined: Any, old: Any) -> Any:
+    if kind_of(path) is Kind.GRADIENT_HISTORY and window.reduction == "mean":
+      combined = combined.at[0].set(
+        combined[0] / divisor.astype(combined.dtype)
+      )
+    return jnp.where(has_weight, combined, jnp.asarray(old, combined.dtype))
+
+  return jax.tree_util.tree_map_with_path(close_leaf, window.combined, start)
+
+
+def across_devices(window: Fp8Window, axis_name: Any) -> Fp8Window:
+  """The combination over every device of ``axis_name``, on each of them.
+
+  Every entry combines by a max (the scales and the old histories are the
+  same on every device), so one ``pmax`` of the small state does it. Call
+  it inside ``jax.shard_map`` (or ``pmap``) once per window, before
+  :func:`close` with the window's weight summed over the same axes.
+
+  Args:
+    window: this device's running combination.
+    axis_name: the data-parallel axes (a name or a tuple of names).
+
+  Returns:
+    The combination of all devices' micro-batches.
+  """
+  return dataclasses.replace(
+    window, combined=jax.lax.pmax(window.combined, axis_name)
+  )
+
+
+def micro_step(
+  before: AccumulateState,
+  after: AccumulateState,
+  start: Any,
+  latest: Any,
+  weight: Any,
+  axis_name: Any = None,
+) -> tuple[Fp8Window, Any]:
+  """One ``update`` call's effect on the float8 state, read off the window.
+
+  Args:
+    before: the accumulation's state before the call; its ``overwrite``
+      is the running combination.
+    after: its state after the call.
+    start: the float8 state at the start of the window (what the micro-batch
+      computed with).
+    latest: the micro-batch's new float8 state.
+    weight: the call's ``weight=``.
+    axis_name: inside ``jax.shard_map``, the data-parallel axes: the state
+      a closing window leaves combines every device's micro-batches (a
+      ``pmax`` of the combination, a few amax histories, and a ``psum`` of
+      the weight, on every call).
+
+  Returns:
+    ``(window, fp8_state)``: the running combination to keep in the state,
+    and the float8 state after the call: the large batch's new state when
+    the call closed a window that applied an update, ``start`` otherwise (a
+    micro-step, or a window that closed empty).
+  """
+  # A micro-step dropped by skip_nonfinite is counted in num_skipped (which
+  # saturates only after 2**31 - 1 drops).
+  accepted = after.num_skipped == before.num_skipped
+  weight = jnp.asarray(weight, before.weight_sum.dtype)
+  window = combine(
+    before.overwrite,
+    latest,
+    weight,
+    contributes=accepted,
+    restart=before.micro_step == 0,
+  )
+  weight_sum = before.weight_sum + jnp.where(accepted, weight, 0)
+  everywhere = window
+  if axis_name is not None:
+    everywhere = across_devices(window, axis_name)
+    weight_sum = jax.lax.psum(weight_sum, axis_name)
+  closed = close(everywhere, start, weight_sum)
+  fp8_state = jax.tree.map(
+    lambda new, old: jnp.where(after.emitted, new, old), closed, start
+  )
+  return window, fp8_state
+
+
+def with_window(opt_state: Any, window: Fp8Window) -> Any:
+  """``opt_state`` with its :class:`AccumulateState`'s window replaced."""
+
+  def is_state(node: Any) -> bool:
+    return isinstance(node, AccumulateState)
+
+  return jax.tree.map(
+    lambda node: node._replace(overwrite=window) if is_state(node) else node,
+    opt_state,
+    is_leaf=is_state,
+  )

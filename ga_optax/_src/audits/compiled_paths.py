@@ -1,0 +1,320 @@
+"""What a compiled step does on each path: bytes moved, copies, collectives.
+
+An accumulation step has two paths through its program: the micro-step that
+keeps the window open, and the call that closes it. Each side of ga_optax's
+window is a loop of at most one trip named by its scope
+(:mod:`ga_optax._src.window.run_once`); a path runs one of them once and the other
+not at all. :func:`path_audit` walks a compiled program's text along one
+path and reports what it executes there:
+
+* bytes moved, the compiler-level cost model of a memory-bound step: each
+  executed instruction reads each operand once and writes its result once;
+  a fusion counts as one instruction, a loop body counts once per trip (the
+  trip count XLA knows, as for a ``lax.scan``, or the window side's 0 or
+  1), a conditional counts the branch the path takes (the first branch on a
+  micro-step, the last when a window closes: ``lax.cond``'s false and true
+  branches), and parameters, constants, tuples, bitcasts and the like move
+  nothing. A loop of unknown trip count outside the window counts once.
+* copies: ``copy`` instructions and asynchronous ``copy-start`` ones (to
+  or from host memory, say), which a donated state should never need;
+* collectives, with the bytes each sends;
+* closing work done outside the closing side: instructions compiled from
+  the closing side (its scope is in their ``op_name``) that the compiler
+  moved out of its loop, and that a micro-step would then run too.
+
+These are compiler figures: deterministic, and the same on any machine that
+compiles for the same target, but not times. For XLA:GPU, compile with
+:func:`ga_optax.testing.compile_for_gpu`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+from ga_optax._src.audits.hlo import (
+  COLLECTIVE_OPCODES,
+  Collective,
+  HloInstruction,
+  HloModule,
+  parse_hlo,
+  shape_bytes,
+  window_side,
+)
+from ga_optax._src.window import run_once
+
+Path = Literal["micro_step", "closing"]
+PATHS: tuple[Path, ...] = ("micro_step", "closing")
+
+# Instructions that name or regroup buffers without moving their bytes.
+_NO_TRAFFIC = frozenset(
+  {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "opt-barrier",
+    "after-all",
+    "add-dependency",
+    "partition-id",
+    "replica-id",
+    "domain",
+  }
+)
+# Instructions whose callees are part of the path (not fused or reducers).
+_CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start"})
+_COPY_OPCODES = frozenset({"copy", "copy-start"})
+# Bytes an instruction on scalars moves at most (a few 8-byte operands).
+_SCALAR_TRAFFIC = 64
+
+
+class Copy(NamedTuple):
+  """A ``copy`` (or asynchronous ``copy-start``) on a path of a program.
+
+  Attributes:
+    computation: the computation that holds it.
+    name: the instruction's name.
+    bytes: the bytes it writes.
+  """
+
+  computation: str
+  name: str
+  bytes: int
+
+
+class PathAudit(NamedTuple):
+  """What one path of a compiled step executes.
+
+  Attributes:
+    path: ``"micro_step"`` or ``"closing"``.
+    bytes_moved: bytes read and written by the instructions the path runs,
+      loop bodies counted once per trip.
+    copies: the ``copy`` instructions the path runs.
+    collectives: the collectives the path runs (each listed once, however
+      many trips its loop makes).
+    misplaced_closing_work: instructions compiled from the window's closing
+      side that run on this path outside it (their names), scalar ones
+      left out; on the micro-step path, work every micro-step pays for a
+      window that does not close.
+  """
+
+  path: Path
+  bytes_moved: int
+  copies: list[Copy]
+  collectives: list[Collective]
+  misplaced_closing_work: list[str]
+
+  def copied_bytes(self, at_least: int = 0) -> int:
+    """The bytes of the copies of ``at_least`` bytes or more."""
+    return sum(copy.bytes for copy in self.copies if copy.bytes >= at_least)
+
+
+def trips_on_path(instruction: HloInstruction, path: Path) -> int:
+  """The trips a loop makes on ``path``: a window side's 0 or 1, else XLA's.
+
+  A loop of unknown trip count outside the window counts once.
+  """
+  side = window_side(instruction)
+  if side is not None:
+    runs = (side == run_once.CLOSE_WINDOW) == (path == "closing")
+    return int(runs)
+  return instruction.trip_count if instruction.trip_count is not None else 1
+
+
+def branches_taken(instruction: HloInstruction, path: Path) -> list[str]:
+  """The computations a control-flow instruction runs on ``path``.
+
+  All its callees, but for a conditional: the branch the path takes.
+  """
+  if instruction.opcode != "conditional":
+    return list(instruction.callees)
+  side = window_side(instruction)
+  if side is None:
+    closing = path == "closing"
+  else:
+    # A side of the window compiled as a conditional: its true branch is
+    # the side's body, taken on the path that runs the side.
+    closing = (side == run_once.CLOSE_WINDOW) == (path == "closing")
+  return [instruction.callees[-1 if closing else 0]]
+
+
+def _from_closing_side(module: HloModule, instruction: HloInstruction) -> bool:
+  """Whether an instruction holds work compiled from the closing side.
+
+  A fusion is named by its root; the closing side's work may be fused
+  under a root from elsewhere (a select that keeps its result), so the
+  fused instructions are read too.
+  """
+  if run_once.CLOSE_WINDOW in instruction.op_name.split("/"):
+    return True
+  if instruction.opcode != "fusion":
+    return False
+  return any(
+    _from_closing_side(module, fused)
+    for callee in instruction.callees
+    for fused in module.computations.get(callee, ())
+  )
+
+
+def as_module(program: Any) -> HloModule:
+  """A parsed module from compiled text, a compiled object or a module.
+
+  Raises:
+    TypeError: ``program`` is none of these.
+  """
+  if isinstance(program, HloModule):
+    return program
+  if isinstance(program, str):
+    return parse_hlo(program)
+  as_text = getattr(program, "as_text", None)
+  if callable(as_text) and hasattr(program, "memory_analysis"):
+    return parse_hlo(as_text())
+  raise TypeError(
+    "expected a compiled program (jax.jit(f).lower(...).compile()), its"
+    " .as_text(), or an HloModule from parse_hlo; got"
+    f" {type(program).__name__}."
+  )
+
+
+def path_audit(
+  program: Any, path: Path, *, require_window: bool = True
+) -> PathAudit:
+  """Walks ``program`` along one path and reports what it executes there.
+
+  Args:
+    program: a compiled program (``jax.jit(step).lower(...).compile()``, or
+      :func:`ga_optax.testing.compile_for_gpu`'s result), its text, or a
+      module from :func:`ga_optax.testing.parse_hlo`.
+    path: ``"micro_step"`` (the window stays open) or ``"closing"``.
+    require_window: refuse a program that holds no ga_optax window. A step
+      without one (``optax.MultiSteps``, a plain optimizer step) has no
+      paths to tell apart: both are the whole program, and its
+      ``misplaced_closing_work`` is empty even where the optimizer runs on
+      every call. Pass False to audit such a step as the baseline a
+      window's paths are compared with.
+
+  Returns:
+    A :class:`PathAudit`.
+
+  Raises:
+    TypeError: ``program`` is not a compiled program, its text or a module.
+    ValueError: ``path`` is not one of the two, or ``program`` holds no
+      ga_optax window and ``require_window`` is True.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, ga_optax
+    >>> from ga_optax.testing import path_audit
+    >>> tx = ga_optax.accumulate(optax.adam(1e-3), 4)
+    >>> params = {"w": jnp.ones((256, 256))}
+    >>> def step(params, state, grads):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   return optax.apply_updates(params, updates), state
+    >>> compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+    ...     params, tx.init(params), params).compile()
+    >>> micro, closing = (path_audit(compiled, p) for p in ("micro_step", "closing"))
+    >>> micro.bytes_moved < closing.bytes_moved  # Adam runs only when closing
+    True
+    >>> micro.misplaced_closing_work
+    []
+  """
+  if path not in PATHS:
+    raise ValueError(f"path must be one of {PATHS}, got {path!r}.")
+  module = as_module(program)
+  if require_window and not _holds_a_window(module):
+    raise ValueError(
+      "program holds no ga_optax window (no instruction compiled under"
+      f" {run_once.KEEP_OPEN!r} or {run_once.CLOSE_WINDOW!r}), so it has no"
+      " micro-step and closing paths: every call runs the whole program,"
+      " optimizer included. Audit the step built on ga_optax.accumulate (or"
+      " accumulate_and_apply) instead; to compare it with a step without a"
+      " window (optax.MultiSteps, a plain optimizer step), audit that step"
+      " with path_audit(program, path, require_window=False), which reads"
+      " the whole program as what every call runs."
+    )
+  total = 0
+  copies: list[Copy] = []
+  collectives: list[Collective] = []
+  misplaced: list[str] = []
+
+  def walk(computation: str, trips: int, in_closing_side: bool) -> None:
+    nonlocal total
+    instructions = module.computations.get(computation, [])
+    shapes = {
+      instruction.name: instruction.shape for instruction in instructions
+    }
+    for instruction in instructions:
+      opcode = instruction.opcode
+      if opcode in _CONTROL_FLOW:
+        runs = trips_on_path(instruction, path) if opcode == "while" else 1
+        closing_side = window_side(instruction) == run_once.CLOSE_WINDOW
+        for callee in branches_taken(instruction, path):
+          walk(callee, trips * runs, in_closing_side or closing_side)
+        continue
+      if opcode in _NO_TRAFFIC or opcode.endswith("-done") or not trips:
+        continue
+      read = sum(
+        shape_bytes(shapes.get(operand, "")) for operand in instruction.operands
+      )
+      # An asynchronous copy's result is a tuple of the destination, the
+      # source and a context: what it writes is its operand, once.
+      written = (
+        read if opcode == "copy-start" else shape_bytes(instruction.shape)
+      )
+      moved = read + written
+      total += trips * moved
+      if opcode in _COPY_OPCODES:
+        copies.append(Copy(computation, instruction.name, written))
+      if opcode in COLLECTIVE_OPCODES:
+        operand_bytes = sum(
+          shape_bytes(shapes.get(operand, ""))
+          for operand in instruction.operands
+        )
+        collectives.append(
+          Collective(computation, instruction.name, opcode, operand_bytes)
+        )
+      # Scalars (the side's own predicate, say) are not work worth moving.
+      if (
+        not in_closing_side
+        and moved > _SCALAR_TRAFFIC
+        and _from_closing_side(module, instruction)
+      ):
+        misplaced.append(instruction.name)
+
+  walk(module.entry, 1, False)
+  return PathAudit(path, total, copies, collectives, misplaced)
+
+
+def _holds_a_window(module: HloModule) -> bool:
+  """Whether any instruction was compiled from a side of a window.
+
+  The sides' loops, or what the compiler made of them: their work hoisted
+  out, or selects where their conditional was.
+  """
+  scopes = {run_once.KEEP_OPEN, run_once.CLOSE_WINDOW}
+  return any(
+    not scopes.isdisjoint(instruction.op_name.split("/"))
+    for instructions in module.computations.values()
+    for instruction in instructions
+  )
+
+
+def window_sides(program: Any) -> dict[str, int]:
+  """How many loops (on the CPU, conditionals) of each window side it holds.
+
+  Returns:
+    ``{"keep_open": n, "close_window": m}``: a step built on one
+    ``accumulate`` holds one of each (and, for a window whose weight is
+    known only after its reduction, a second closing side inside the
+    first).
+  """
+  module = as_module(program)
+  found = {run_once.KEEP_OPEN: 0, run_once.CLOSE_WINDOW: 0}
+  for instructions in module.computations.values():
+    for instruction in instructions:
+      side = window_side(instruction)
+      if side is not None:
+        found[side] += 1
+  return {
+    "keep_open": found[run_once.KEEP_OPEN],
+    "close_window": found[run_once.CLOSE_WINDOW],
+  }

@@ -1,0 +1,169 @@
+"""How a window spread over devices is kept and reduced: one strategy each.
+
+A window's micro-steps may run on several devices at once, each adding its
+own gradients. Where the partial sums live and how the window's one
+reduction runs is a :class:`Parallel` strategy, chosen once from the
+arguments of :func:`ga_optax.accumulate` by :func:`resolve`:
+
+* :class:`~ga_optax._src.placements.local.Local`: one device, or gradients
+  already whole on every device; nothing to reduce.
+* :class:`~ga_optax._src.placements.collective.Collective`: inside
+  ``jax.shard_map`` or ``pmap`` (``axis_name``): each device keeps its own
+  sum; the closing call sums them with a collective over the named axes.
+* :class:`~ga_optax._src.placements.unreduced.Unreduced`: under a plain
+  ``jax.jit`` (``unreduced_axes``): the accumulator is typed ``unreduced``
+  over mesh axes; the closing call reduces it, onto the params' sharding or,
+  with ``inner_state_axes`` (ZeRO-1, :mod:`~ga_optax._src.placements.zero`),
+  onto the optimizer state's shards.
+
+The window calls every method unconditionally; a strategy with nothing to
+do returns its input.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import optax
+
+from ga_optax._src.placements import axes as axes_lib
+from ga_optax._src.placements import zero
+from ga_optax._src.placements.collective import Collective
+from ga_optax._src.placements.local import Local
+from ga_optax._src.placements.unreduced import Unreduced, WholeState
+
+
+class Parallel(Protocol):
+  """How a window spread over devices is kept, checked and reduced."""
+
+  @property
+  def weights_are_global(self) -> bool:
+    """Whether each device knows the window's whole weight before reducing.
+
+    Then an empty window is known before the window closes, and the mean is
+    formed as the last gradient is added.
+    """
+    ...
+
+  @property
+  def unreduced_axes(self) -> axes_lib.Axes:
+    """The mesh axes gradients and the accumulator are unreduced over."""
+    ...
+
+  def check_init(self) -> None:
+    """Raises unless the mesh this strategy needs is the one set now."""
+    ...
+
+  def check_update(self, grads: Any, weight: Any) -> None:
+    """Raises for gradients or weights this strategy cannot accumulate."""
+    ...
+
+  def init_accumulator(self, zeros: Any) -> Any:
+    """The accumulator made from ``zeros`` shaped like the params."""
+    ...
+
+  def place_state(
+    self, inner: optax.GradientTransformation, inner_state: Any, params: Any
+  ) -> Any:
+    """The wrapped optimizer's state, placed on the devices."""
+    ...
+
+  def all_finite(self, grads: Any) -> jax.Array:
+    """Whether every gradient on every device is finite, agreed by all."""
+    ...
+
+  def factor(self, scalar: Any) -> Any:
+    """``scalar`` typed so that it may multiply the accumulator."""
+    ...
+
+  def carriers(self, accumulator: Any, grads: Any) -> dict[str, Any]:
+    """Operands of the updates' sharding that may carry them (by name)."""
+    ...
+
+  def reduce(
+    self, accumulator: Any, weight_sum: jax.Array, params: Any
+  ) -> tuple[Any, jax.Array]:
+    """The window's sum and weight over every device (closing only)."""
+    ...
+
+  def noise_terms_zero(self) -> tuple[jax.Array, jax.Array]:
+    """Empty sums for the noise scale, typed as :meth:`noise_terms` adds."""
+    ...
+
+  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
+    """This device's share of ``sum w |g|^2`` and of K for one micro-step.
+
+    What a micro-gradient is depends on where the window lives: a device's
+    own gradient and weight where each device has its own, the micro-step's
+    gradient where they are already summed.
+    """
+    ...
+
+  def reduce_noise(
+    self,
+    square_sum: jax.Array,
+    micro_gradients: jax.Array,
+    total_weight: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The window's ``sum w |g|^2``, K and W over every device (closing only)."""
+    ...
+
+  def inner_update(
+    self,
+    inner: optax.GradientTransformationExtraArgs,
+    grads: Any,
+    inner_state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+  ) -> tuple[Any, Any]:
+    """The wrapped optimizer's update on the reduced gradient."""
+    ...
+
+
+def resolve(
+  axis_name: Any, unreduced_axes: Any, inner_state_axes: Any
+) -> Parallel:
+  """The strategy the three multi-device arguments of ``accumulate`` ask for.
+
+  Raises:
+    TypeError: an argument is not an axis name, a tuple of names (or, for
+      ``inner_state_axes``, a tree of partition specs).
+    ValueError: ``axis_name`` with ``unreduced_axes``, or
+      ``inner_state_axes`` without ``unreduced_axes``.
+  """
+  if axis_name is not None and not isinstance(axis_name, (str, tuple)):
+    raise TypeError(
+      "axis_name must be None, a mesh axis name (str) or a tuple of names,"
+      f" got {axis_name!r}."
+    )
+  unreduced = (
+    axes_lib.as_axes(unreduced_axes, "unreduced_axes")
+    if unreduced_axes not in (None, (), [])
+    else ()
+  )
+  if axis_name is not None and unreduced:
+    raise ValueError(
+      "pass axis_name (inside jax.shard_map or pmap) or unreduced_axes"
+      f" (under a plain jax.jit), not both; got axis_name={axis_name!r} and"
+      f" unreduced_axes={unreduced!r}."
+    )
+  if inner_state_axes is not None and not unreduced:
+    raise ValueError(
+      "inner_state_axes shards the optimizer state over mesh axes at the"
+      " window's reduce-scatter, which needs an accumulator unreduced over"
+      " the batch's axes: pass unreduced_axes too (for example"
+      " unreduced_axes='data', inner_state_axes='data') and gradients from"
+      " ga_optax.unreduced_value_and_grad; got inner_state_axes="
+      f"{inner_state_axes!r} without unreduced_axes."
+    )
+  if unreduced:
+    state = (
+      WholeState()
+      if inner_state_axes is None
+      else zero.ShardedState.of(inner_state_axes)
+    )
+    return Unreduced(unreduced, state)
+  if axis_name is not None:
+    return Collective(axes_lib.as_axes(axis_name, "axis_name"))
+  return Local()

@@ -1,0 +1,91 @@
+"""One device, or gradients already whole everywhere: nothing to reduce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ga_optax._src.algebra import noise_scale
+from ga_optax._src.placements import axes as axes_lib
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every leaf of ``tree`` is finite."""
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.asarray(True)
+  return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]).all()
+
+
+class Local:
+  """The window of one device: every method hands its input back.
+
+  Also right under ``jit`` on several devices when the gradients are
+  already reduced (replicated), and inside a ``jax.shard_map`` whose
+  gradients are the same on every device.
+  """
+
+  weights_are_global = True
+  unreduced_axes: axes_lib.Axes = ()
+
+  def check_init(self) -> None:
+    """Nothing to check: any mesh, or none, will do."""
+
+  def check_update(self, grads: Any, weight: Any) -> None:
+    """Nothing to check beyond the gradients' tree and types."""
+    del grads, weight
+
+  def init_accumulator(self, zeros: Any) -> Any:
+    return zeros
+
+  def place_state(
+    self, inner: optax.GradientTransformation, inner_state: Any, params: Any
+  ) -> Any:
+    del inner, params
+    return inner_state
+
+  def all_finite(self, grads: Any) -> jax.Array:
+    return all_finite(grads)
+
+  def factor(self, scalar: Any) -> Any:
+    return scalar
+
+  def carriers(self, accumulator: Any, grads: Any) -> dict[str, Any]:
+    return {"accumulator": accumulator, "grads": grads}
+
+  def reduce(
+    self, accumulator: Any, weight_sum: jax.Array, params: Any
+  ) -> tuple[Any, jax.Array]:
+    del params
+    return accumulator, weight_sum
+
+  def noise_terms_zero(self) -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+
+  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
+    # Each call's gradient is one micro-gradient; one of weight 0 adds
+    # nothing (its gradient may be 0 / 0).
+    weight = jnp.asarray(weight, jnp.float32)
+    square = jnp.where(weight > 0, weight * noise_scale.square_norm(grads), 0.0)
+    return square, (weight > 0).astype(jnp.int32)
+
+  def reduce_noise(
+    self,
+    square_sum: jax.Array,
+    micro_gradients: jax.Array,
+    total_weight: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return square_sum, micro_gradients, total_weight
+
+  def inner_update(
+    self,
+    inner: optax.GradientTransformationExtraArgs,
+    grads: Any,
+    inner_state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+  ) -> tuple[Any, Any]:
+    return inner.update(grads, inner_state, params, **extra_args)

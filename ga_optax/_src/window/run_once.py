@@ -1,0 +1,161 @@
+"""A branch that XLA:GPU compiles without copies: a loop of at most one trip.
+
+A micro-step either keeps the window open or closes it. ``lax.cond`` is the
+obvious way to say so, and XLA:GPU compiles it badly: its copy insertion
+(without region analysis, the GPU default) copies every buffer a branch
+hands back untouched into the conditional's result, so each micro-step
+copied the whole optimizer state, and the caller's donation could not
+reuse the buffers either (docs/compiled-window.md has the figures). A
+``lax.while_loop`` updates its carried buffers in place: the same choice,
+made as two loops of zero or one trip whose predicates exclude each other,
+compiles to a micro-step with no copy at all, and nothing in XLA turns a
+loop into selects that would run both sides.
+
+Each loop carries only what its body writes, and reads everything else as a
+loop invariant, so buffers the other side owns are never copied. Inside a
+loop body JAX (0.10) leaves the carried and invariant values without the
+shardings their types give them on an Explicit mesh, and the partitioner
+then guesses: it reduced a partial sum typed ``unreduced`` a second time,
+and gathered a sharded optimizer state before the loop. The body pins each
+value to its type first.
+
+On the CPU the branch is a ``lax.cond`` instead: XLA:CPU's copy insertion
+sees that a branch which hands its operands back needs no copy, and it
+splits the elementwise work of a conditional's branch over the cores, but
+not that of a loop body. :mod:`ga_optax._src.window.window_form` makes that
+choice, in one place for the whole window (which on the CPU also adds the
+gradient outside any branch: :meth:`ga_optax._src.window.window.MicroStep.add_first`).
+
+A loop has no reverse-mode derivative, the conditional has one, and both
+compute the same function: the branch's derivative rule
+(``jax.custom_jvp``) is the conditional's, so ``jax.grad`` through a window
+works under ``jax.jit`` in either form, while a step that is not
+differentiated keeps its loops.
+
+Either way the branch is named (``jax.named_scope``): the compiled
+program's audits (:mod:`ga_optax._src.audits.compiled_paths`) find it by its name
+and know which side a micro-step takes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+
+from ga_optax._src.window import window_form
+
+Carry = TypeVar("Carry")
+
+# The scopes of the two sides of a micro-step, as they appear in the
+# ``op_name`` of the compiled loops.
+KEEP_OPEN = "ga_optax_keep_open"
+CLOSE_WINDOW = "ga_optax_close_window"
+
+
+def run_once_if(
+  predicate: jax.Array,
+  body: Callable[[Carry], Carry],
+  carry: Carry,
+  *,
+  name: str,
+) -> Carry:
+  """``body(carry)`` where ``predicate`` holds, else ``carry`` untouched.
+
+  Args:
+    predicate: a boolean scalar.
+    body: maps ``carry`` to a tree of the same structure, shapes and dtypes.
+    carry: what ``body`` reads and writes in place.
+    name: the loop's scope, :data:`KEEP_OPEN` or :data:`CLOSE_WINDOW` for
+      the window's two sides.
+
+  Returns:
+    ``body(carry)`` or ``carry``.
+  """
+  # The values the body closes over become explicit invariants, so that a
+  # loop's body can pin their types, and derivatives can flow through them.
+  converted, invariants = jax.closure_convert(body, carry)
+  with jax.named_scope(name):
+    return _run_once(converted, jnp.asarray(predicate), carry, invariants)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _run_once(
+  body: Callable[..., Carry],
+  predicate: jax.Array,
+  carry: Carry,
+  invariants: Sequence[Any],
+) -> Carry:
+  """The branch in the form :mod:`ga_optax._src.window.window_form` chooses."""
+  return window_form.choose(
+    predicate,
+    carry,
+    invariants,
+    loops=functools.partial(_as_loop, body),
+    conditional=functools.partial(_as_conditional, body),
+  )
+
+
+@_run_once.defjvp
+def _run_once_jvp(
+  body: Callable[..., Carry], primals: Any, tangents: Any
+) -> tuple[Carry, Carry]:
+  # A while loop has no transpose, so reverse mode cannot go through the
+  # loops; the conditional computes the same function and has one. A step
+  # that is not differentiated still runs the loops.
+  return jax.jvp(functools.partial(_as_conditional, body), primals, tangents)
+
+
+def _as_loop(
+  body: Callable[..., Carry],
+  predicate: jax.Array,
+  carry: Carry,
+  invariants: Sequence[Any],
+) -> Carry:
+  def once(state: tuple[jax.Array, Carry, Any]) -> tuple[jax.Array, Carry, Any]:
+    _, carried, read = state
+    carried, read = pin_types(carried), pin_types(read)
+    return jnp.zeros((), jnp.bool_), body(carried, *read), read
+
+  return jax.lax.while_loop(
+    lambda state: state[0], once, (predicate, carry, tuple(invariants))
+  )[1]
+
+
+def _as_conditional(
+  body: Callable[..., Carry],
+  predicate: jax.Array,
+  carry: Carry,
+  invariants: Sequence[Any],
+) -> Carry:
+  return jax.lax.cond(
+    predicate,
+    lambda carried, read: body(carried, *read),
+    lambda carried, read: carried,
+    carry,
+    tuple(invariants),
+  )
+
+
+def pin_types(tree: Any) -> Any:
+  """``tree`` with each value whose type carries a sharding pinned to it.
+
+  A no-op for JAX's types (the value is resharded to the sharding it has),
+  but the lowered program then states that sharding where the value is
+  used, which the partitioner needs inside a loop body: left to itself it
+  took partial sums typed ``unreduced`` for whole values, and gathered a
+  sharded optimizer state whole before the loop.
+  """
+
+  def pin(leaf: Any) -> Any:
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+      return leaf
+    return jax.reshard(leaf, sharding.spec)  # type: ignore[union-attr]
+
+  return jax.tree.map(pin, tree)

@@ -1,0 +1,84 @@
+"""Which form the window takes in the compiled program: chosen here, once.
+
+A micro-step runs one of two sides, keep the window open or close it, and
+the compiled program can say so in two forms:
+
+* ``"loops"``: each side is a loop of at most one trip
+  (:func:`ga_optax._src.window.run_once.run_once_if`), the closing one adding the
+  last gradient in the optimizer's pass. XLA:GPU updates a loop's buffers
+  in place, so a micro-step copies nothing; every platform but the CPU
+  (GPUs, TPUs) runs this form.
+* ``"conditional"``: the gradient is added first, outside any branch, and
+  the closing side is a ``lax.cond``. XLA:CPU splits elementwise work over
+  its cores outside a branch but not inside a loop body, and its copy
+  insertion copies nothing for a branch that forwards its operands.
+
+By default the platform decides, when the step is lowered
+(``jax.lax.platform_dependent``): the CPU takes the conditional form, every
+other platform the loops. The environment variable
+``GA_OPTAX_WINDOW_FORM`` (``"loops"`` or ``"conditional"``) pins one form on
+every platform, for the whole process: the tests set it to execute on the
+CPU the program a GPU runs. It is read when a step is traced, so set it
+before the first step is traced (a jitted step keeps the form it was
+traced with).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+# The variable that pins the form, and the forms it may name.
+VARIABLE = "GA_OPTAX_WINDOW_FORM"
+LOOPS = "loops"
+CONDITIONAL = "conditional"
+FORMS = (LOOPS, CONDITIONAL)
+
+
+def pinned() -> str | None:
+  """The form ``GA_OPTAX_WINDOW_FORM`` pins, or None to let the platform say.
+
+  Raises:
+    ValueError: the variable names no form.
+  """
+  form = os.environ.get(VARIABLE, "").strip().lower()
+  if not form:
+    return None
+  if form not in FORMS:
+    raise ValueError(
+      f"{VARIABLE} must be one of {FORMS} or unset, got {form!r}."
+    )
+  return form
+
+
+def form_for(platform: str) -> str:
+  """The form a step lowered for ``platform`` (``"cpu"``, ``"cuda"``...) takes."""
+  pinned_form = pinned()
+  if pinned_form is not None:
+    return pinned_form
+  return CONDITIONAL if platform == "cpu" else LOOPS
+
+
+def choose(
+  index: Any,
+  *operands: Any,
+  loops: Callable[..., Any],
+  conditional: Callable[..., Any],
+) -> Any:
+  """``loops(index, *operands)`` or ``conditional(index, *operands)``.
+
+  The form pinned by ``GA_OPTAX_WINDOW_FORM``, or else the platform's: the
+  conditional form on the CPU, the loops everywhere else. ``index`` is
+  passed through to the chosen function (the window's predicate).
+  """
+  form = pinned()
+  if form == LOOPS:
+    return loops(index, *operands)
+  if form == CONDITIONAL:
+    return conditional(index, *operands)
+  return jax.lax.platform_dependent(
+    index, *operands, cpu=conditional, default=loops
+  )

@@ -1,13 +1,13 @@
 """The batch size, closed loop: k follows the measured noise scale, on real text.
 
-Trains the small Transformer LM of ``examples/lm_token_weighting.py`` on the
-same text (Python's own help texts), micro-batch by micro-batch, with the
-same budget of micro-batches, several ways:
+Trains the small Transformer LM of ``examples/byte_lm.py`` on its text
+(Python's own help texts), micro-batch by micro-batch, with the same budget
+of micro-batches, several ways:
 
 1. each fixed k from ``--small-k`` (default 2) to ``--large-k`` (default
    16) by doublings, the learning rate multiplied by ``sqrt(k / small_k)``
    (the rule ``lr_scaling="sqrt"`` applies as k moves);
-2. ``ga_optax.adaptive_k(small_k, max_k=large_k)`` with
+2. ``ga_optax.batch_size.adaptive_k(small_k, max_k=large_k)`` with
    ``lr_scaling="sqrt"``: k starts small and doubles whenever the measured
    noise scale ``B_simple`` reaches twice the batch the window held (k = 1
    cannot start it: a window of one micro-gradient measures no noise).
@@ -45,7 +45,7 @@ from tqdm import tqdm
 import ga_optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_token_weighting import (
+from byte_lm import (
   HELD_OUT_SEQUENCES,
   MODEL_SIZES,
   add_preset_options,
@@ -109,7 +109,7 @@ def make_runs(args: argparse.Namespace) -> dict[str, Any]:
   }
   runs["adaptive k"] = ga_optax.accumulate(
     optax.adam(args.learning_rate),
-    ga_optax.adaptive_k(args.small_k, max_k=args.large_k),
+    ga_optax.batch_size.adaptive_k(args.small_k, max_k=args.large_k),
     noise_scale_decay=0.9,
     lr_scaling="sqrt",
   )

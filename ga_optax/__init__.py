@@ -1,16 +1,18 @@
-"""ga_optax: gradient accumulation for JAX, equivalent to the large-batch step."""
+"""ga_optax: gradient accumulation for JAX, equivalent to the large-batch step.
 
+The top level holds what most training loops need. Two namespaces group
+what some need: :mod:`ga_optax.batch_size` (choosing k from the measured
+noise scale) and :mod:`ga_optax.mixed_precision` (a dynamic loss scale for
+float16); :mod:`ga_optax.testing` holds the equivalence and compiled-program
+checks.
+"""
+
+from ga_optax import batch_size, mixed_precision
 from ga_optax._src.algebra.noise_scale import (
   NoiseScale,
   NoiseScaleAverages,
   NoiseScaleEstimate,
   smooth_noise_scale,
-)
-from ga_optax._src.batch_size.adaptive import AdaptiveK, adaptive_k
-from ga_optax._src.batch_size.advice import (
-  goodput_k,
-  suggested_k,
-  warmup_schedule,
 )
 from ga_optax._src.planning.elastic import (
   ElasticPlan,
@@ -32,12 +34,6 @@ from ga_optax._src.planning.planner import (
 from ga_optax._src.recipes.batchnorm import combine_batch_stats
 from ga_optax._src.recipes.flax_utils import apply_gradients
 from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
-from ga_optax._src.recipes.loss_scaling import (
-  DynamicLossScaleState,
-  dropped_windows,
-  dynamic_loss_scale,
-  loss_scale,
-)
 from ga_optax._src.scan.microbatch import (
   microbatched_value_and_grad,
   unreduced_value_and_grad,
@@ -60,8 +56,6 @@ __version__ = "0.2.0"
 
 __all__ = [
   "AccumulateState",
-  "AdaptiveK",
-  "DynamicLossScaleState",
   "ElasticPlan",
   "FusedAccumulation",
   "MicrobatchPlan",
@@ -70,31 +64,26 @@ __all__ = [
   "NoiseScaleEstimate",
   "accumulate",
   "accumulate_and_apply",
-  "adaptive_k",
   "applied_updates",
   "apply_gradients",
+  "batch_size",
   "best_global_batch_size",
   "combine_batch_stats",
   "consolidate",
   "current_k",
-  "dropped_windows",
-  "dynamic_loss_scale",
   "elastic_plan",
   "emitted",
-  "goodput_k",
   "gpu_compiler_options",
-  "loss_scale",
   "micro_step_bytes",
   "microbatched_value_and_grad",
+  "mixed_precision",
   "noise_scale",
   "num_skipped",
   "plan_microbatch",
   "smooth_noise_scale",
   "split_total",
   "stack_partial_sums",
-  "suggested_k",
   "unreduced_value_and_grad",
   "unstack_partial_sums",
   "valid_device_counts",
-  "warmup_schedule",
 ]

@@ -152,7 +152,7 @@ def test_k_and_updates_follow_the_reference(lr_scaling, fused):
   make = ga_optax.accumulate_and_apply if fused else ga_optax.accumulate
   tx = make(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(2, max_k=8, min_k=1),
+    ga_optax.batch_size.adaptive_k(2, max_k=8, min_k=1),
     noise_scale_decay=DECAY,
     lr_scaling=lr_scaling,
   )
@@ -184,7 +184,9 @@ def test_lr_scaling_follows_a_dict_schedule_too():
 def test_a_flushed_window_does_not_move_k():
   rng = np.random.default_rng(2)
   tx = ga_optax.accumulate(
-    optax.sgd(1.0), ga_optax.adaptive_k(2, max_k=8), noise_scale_decay=0.0
+    optax.sgd(1.0),
+    ga_optax.batch_size.adaptive_k(2, max_k=8),
+    noise_scale_decay=0.0,
   )
   params = {"w": jnp.zeros(4)}
   state = tx.init(params)
@@ -201,7 +203,7 @@ def test_a_flushed_window_does_not_move_k():
 def test_skipped_micro_steps_do_not_count():
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(2, max_k=8),
+    ga_optax.batch_size.adaptive_k(2, max_k=8),
     noise_scale_decay=0.0,
     skip_nonfinite=True,
   )
@@ -237,7 +239,7 @@ def test_min_k_one_keeps_measuring_on_one_device():
   noisy = [(3.0 * rng.normal(size=4)).astype(np.float32) for _ in range(200)]
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(4, max_k=16, min_k=1),
+    ga_optax.batch_size.adaptive_k(4, max_k=16, min_k=1),
     noise_scale_decay=DECAY,
   )
   ks, _ = run_current_ks(tx, quiet + noisy)
@@ -248,7 +250,9 @@ def test_min_k_one_keeps_measuring_on_one_device():
 def test_a_window_that_measures_nothing_grows_k():
   # k = 1 on one device: the first window holds one micro-gradient.
   tx = ga_optax.accumulate(
-    optax.sgd(1.0), ga_optax.adaptive_k(1, max_k=4), noise_scale_decay=0.0
+    optax.sgd(1.0),
+    ga_optax.batch_size.adaptive_k(1, max_k=4),
+    noise_scale_decay=0.0,
   )
   ks, state = run_current_ks(tx, [np.ones(2, np.float32)] * 3)
   # The window of 2 measured equal gradients: no noise, k stays.
@@ -271,7 +275,7 @@ def test_noise_free_gradients_never_grow_k(min_k):
   ]
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(4, max_k=32, min_k=min_k),
+    ga_optax.batch_size.adaptive_k(4, max_k=32, min_k=min_k),
     noise_scale_decay=0.9,
   )
   ks, state = run_current_ks(tx, gradients)
@@ -281,10 +285,12 @@ def test_noise_free_gradients_never_grow_k(min_k):
   assert float(estimate.trace_sigma) == 0.0
   assert float(estimate.b_simple) == 0.0
   assert float(estimate.grad_sq) > 8000
-  assert ga_optax.suggested_k(estimate, 1, max_k=32) == 1
-  assert ga_optax.warmup_schedule([(3, estimate)], 1, 4, 32) == {0: 4}
+  assert ga_optax.batch_size.suggested_k(estimate, 1, max_k=32) == 1
+  assert ga_optax.batch_size.warmup_schedule([(3, estimate)], 1, 4, 32) == {
+    0: 4
+  }
   assert (
-    ga_optax.goodput_k(
+    ga_optax.batch_size.goodput_k(
       estimate,
       items_per_micro_step=1,
       micro_step_seconds=1.0,
@@ -308,7 +314,7 @@ def test_k_grows_at_exactly_the_threshold():
   for threshold, grown in [(1 / 16, 4), (1 / 16 * (1 + 2.0**-20), 2)]:
     tx = ga_optax.accumulate(
       optax.sgd(1.0),
-      ga_optax.adaptive_k(2, max_k=4, threshold=threshold),
+      ga_optax.batch_size.adaptive_k(2, max_k=4, threshold=threshold),
       noise_scale_decay=0.0,
     )
     ks, state = run_current_ks(tx, gradients)
@@ -329,7 +335,7 @@ def test_a_k_that_factor_does_not_divide_does_not_shrink(initial_k, factor):
   ]
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(
+    ga_optax.batch_size.adaptive_k(
       initial_k, max_k=initial_k * factor, min_k=1, factor=factor
     ),
     noise_scale_decay=DECAY,
@@ -345,7 +351,7 @@ def test_factor_and_max_k_at_the_int32_limit_do_not_wrap():
   noise = [np.array(g, np.float32) for g in ([1.0, -1.0], [-1.0, 1.0])] * 3
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(2, max_k=2, factor=2**30),
+    ga_optax.batch_size.adaptive_k(2, max_k=2, factor=2**30),
     noise_scale_decay=0.0,
   )
   ks, _ = run_current_ks(tx, noise)
@@ -353,7 +359,7 @@ def test_factor_and_max_k_at_the_int32_limit_do_not_wrap():
   with pytest.warns(UserWarning, match="too few for windows of k = 1073741824"):
     tx = ga_optax.accumulate(
       optax.sgd(1.0),
-      ga_optax.adaptive_k(1, max_k=2**30, factor=2**30),
+      ga_optax.batch_size.adaptive_k(1, max_k=2**30, factor=2**30),
       noise_scale_decay=0.0,
     )
   ks, _ = run_current_ks(tx, noise)
@@ -378,7 +384,7 @@ def test_every_device_decides_the_same_k_inside_shard_map():
   ]
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(2, max_k=8, min_k=1),
+    ga_optax.batch_size.adaptive_k(2, max_k=8, min_k=1),
     noise_scale_decay=DECAY,
     axis_name="data",
   )
@@ -453,7 +459,7 @@ def test_every_device_decides_the_same_k_under_plain_jit(zero, fused, host):
   kind = "pinned_host" if host else None
   tx = make(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(2, max_k=8, min_k=1),
+    ga_optax.batch_size.adaptive_k(2, max_k=8, min_k=1),
     noise_scale_decay=DECAY,
     unreduced_axes="data",
     inner_state_axes="data" if zero else None,
@@ -509,7 +515,7 @@ def test_a_saved_run_resumes_bit_identically(tmp_path, stop_after):
   gradients = phased_gradients(rng, 40)
   tx = ga_optax.accumulate(
     optax.adam(1e-2),
-    ga_optax.adaptive_k(2, max_k=8, min_k=1),
+    ga_optax.batch_size.adaptive_k(2, max_k=8, min_k=1),
     noise_scale_decay=DECAY,
     lr_scaling="sqrt",
   )
@@ -545,7 +551,7 @@ def test_a_saved_run_resumes_bit_identically(tmp_path, stop_after):
 def test_consolidating_partial_sums_keeps_k():
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.adaptive_k(2, max_k=8),
+    ga_optax.batch_size.adaptive_k(2, max_k=8),
     noise_scale_decay=0.0,
     axis_name="data",
   )
@@ -559,54 +565,70 @@ def test_consolidating_partial_sums_keeps_k():
 @pytest.mark.parametrize(
   ("make", "error", "match"),
   [
-    (lambda: ga_optax.adaptive_k(4, max_k=2), ValueError, "max_k"),
+    (lambda: ga_optax.batch_size.adaptive_k(4, max_k=2), ValueError, "max_k"),
     (
-      lambda: ga_optax.adaptive_k(4, max_k=6),
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=6),
       ValueError,
       r"max_k must be initial_k=4 times a power of factor=2 .* Pass max_k=4",
     ),
     (
-      lambda: ga_optax.adaptive_k(3, max_k=12, factor=3),
+      lambda: ga_optax.batch_size.adaptive_k(3, max_k=12, factor=3),
       ValueError,
       r"between 9 and 27",
     ),
     (
-      lambda: ga_optax.adaptive_k(2, max_k=2**40),
+      lambda: ga_optax.batch_size.adaptive_k(2, max_k=2**40),
       ValueError,
       r"max_k must be at most 2\*\*31 - 1",
     ),
     (
-      lambda: ga_optax.adaptive_k(2**31, max_k=2**31),
+      lambda: ga_optax.batch_size.adaptive_k(2**31, max_k=2**31),
       ValueError,
       r"initial_k must be at most 2\*\*31 - 1",
     ),
     (
-      lambda: ga_optax.adaptive_k(2, max_k=2**32, min_k=2**31),
+      lambda: ga_optax.batch_size.adaptive_k(2, max_k=2**32, min_k=2**31),
       ValueError,
       r"max_k must be at most 2\*\*31 - 1",
     ),
     (
-      lambda: ga_optax.adaptive_k(2, max_k=2, min_k=2**31),
+      lambda: ga_optax.batch_size.adaptive_k(2, max_k=2, min_k=2**31),
       ValueError,
       r"min_k must be at most 2\*\*31 - 1",
     ),
     (
-      lambda: ga_optax.adaptive_k(2, max_k=2, factor=2**31),
+      lambda: ga_optax.batch_size.adaptive_k(2, max_k=2, factor=2**31),
       ValueError,
       r"factor must be at most 2\*\*31 - 1",
     ),
-    (lambda: ga_optax.adaptive_k(4, max_k=8, factor=1), ValueError, "factor"),
-    (lambda: ga_optax.adaptive_k(4, max_k=8, factor=2.0), TypeError, "factor"),
-    (lambda: ga_optax.adaptive_k(4, max_k=8, min_k=8), ValueError, "min_k"),
-    (lambda: ga_optax.adaptive_k(0, max_k=8), ValueError, "initial_k"),
     (
-      lambda: ga_optax.adaptive_k(4, max_k=8, threshold=0.0),
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, factor=1),
+      ValueError,
+      "factor",
+    ),
+    (
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, factor=2.0),
+      TypeError,
+      "factor",
+    ),
+    (
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, min_k=8),
+      ValueError,
+      "min_k",
+    ),
+    (
+      lambda: ga_optax.batch_size.adaptive_k(0, max_k=8),
+      ValueError,
+      "initial_k",
+    ),
+    (
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, threshold=0.0),
       ValueError,
       "threshold",
     ),
     (
       lambda: ga_optax.accumulate(
-        optax.sgd(1.0), ga_optax.adaptive_k(2, max_k=8)
+        optax.sgd(1.0), ga_optax.batch_size.adaptive_k(2, max_k=8)
       ),
       ValueError,
       "noise_scale_decay",

@@ -52,13 +52,13 @@ def nearest_power_of_two(ratio: float, max_k: int) -> int:
 def test_suggested_k_rounds_on_a_log_scale(ratio, expected):
   # 7.9 is nearer 8 than 4 (the old snippet floored it to 4); 5.5 is below
   # the geometric midpoint 4 * sqrt(2) = 5.66 of 4 and 8.
-  assert ga_optax.suggested_k(ratio * 16, 16, max_k=64) == expected
+  assert ga_optax.batch_size.suggested_k(ratio * 16, 16, max_k=64) == expected
 
 
 def test_suggested_k_boundary_is_k_times_sqrt_two():
   boundary = 4 * math.sqrt(2)
-  assert ga_optax.suggested_k(boundary * 0.999, 1, max_k=64) == 4
-  assert ga_optax.suggested_k(boundary * 1.001, 1, max_k=64) == 8
+  assert ga_optax.batch_size.suggested_k(boundary * 0.999, 1, max_k=64) == 4
+  assert ga_optax.batch_size.suggested_k(boundary * 1.001, 1, max_k=64) == 8
 
 
 @pytest.mark.parametrize("k", [1, 4, 2**20])
@@ -66,7 +66,7 @@ def test_suggested_k_tie_at_k_sqrt_two_rounds_up(k):
   # The documented tie: log2 of the ratio is n + 0.5, which Python's round
   # sends to the even n (4 sqrt 2 would give 4, not 8).
   for items in (1, 16, 2.5):
-    assert ga_optax.suggested_k(
+    assert ga_optax.batch_size.suggested_k(
       k * math.sqrt(2) * items, items, max_k=2**30
     ) == (2 * k)
 
@@ -74,9 +74,9 @@ def test_suggested_k_tie_at_k_sqrt_two_rounds_up(k):
 @pytest.mark.parametrize(
   "function",
   [
-    lambda b: ga_optax.suggested_k(b, 16, max_k=32),
-    lambda b: ga_optax.warmup_schedule([(3, b)], 16, 1, 8),
-    lambda b: ga_optax.goodput_k(
+    lambda b: ga_optax.batch_size.suggested_k(b, 16, max_k=32),
+    lambda b: ga_optax.batch_size.warmup_schedule([(3, b)], 16, 1, 8),
+    lambda b: ga_optax.batch_size.goodput_k(
       b,
       items_per_micro_step=8,
       micro_step_seconds=0.1,
@@ -110,7 +110,7 @@ def test_suggested_k_is_the_nearest_power_of_two(
   # Exactly between two powers the two rules may round apart.
   assume(abs(log_ratio - math.floor(log_ratio) - 0.5) > 1e-9)
   max_k = 2**max_exponent
-  assert ga_optax.suggested_k(ratio * items, items, max_k) == (
+  assert ga_optax.batch_size.suggested_k(ratio * items, items, max_k) == (
     nearest_power_of_two(ratio, max_k)
   )
 
@@ -126,8 +126,11 @@ def test_suggested_k_is_the_nearest_power_of_two(
   ],
 )
 def test_suggested_k_at_the_edges(b_simple, expected):
-  assert ga_optax.suggested_k(b_simple, 16, max_k=32) == expected
-  assert ga_optax.suggested_k(noise_scale_of(b_simple), 16, 32) == expected
+  assert ga_optax.batch_size.suggested_k(b_simple, 16, max_k=32) == expected
+  assert (
+    ga_optax.batch_size.suggested_k(noise_scale_of(b_simple), 16, 32)
+    == expected
+  )
 
 
 def test_suggested_k_takes_a_noise_scale_or_any_real_scalar():
@@ -141,7 +144,7 @@ def test_suggested_k_takes_a_noise_scale_or_any_real_scalar():
     np.asarray(b_simple),
     126,
   ):
-    assert ga_optax.suggested_k(value, 16, max_k=64) == 8, value
+    assert ga_optax.batch_size.suggested_k(value, 16, max_k=64) == 8, value
 
 
 def test_suggested_k_reads_the_state():
@@ -156,7 +159,7 @@ def test_suggested_k_reads_the_state():
     _, state = tx.update(jnp.array(grad), state, params)
   estimate = ga_optax.noise_scale(state)
   assert float(estimate.b_simple) == 0.5
-  assert ga_optax.suggested_k(estimate, 1 / 16, max_k=64) == 8
+  assert ga_optax.batch_size.suggested_k(estimate, 1 / 16, max_k=64) == 8
 
 
 @pytest.mark.parametrize(
@@ -183,13 +186,13 @@ def test_suggested_k_reads_the_state():
 def test_suggested_k_bad_input_names_the_argument(kwargs, error, pattern):
   arguments = {"noise_scale": 100.0, "items_per_micro_step": 16, "max_k": 64}
   with pytest.raises(error, match=pattern):
-    ga_optax.suggested_k(**(arguments | kwargs))
+    ga_optax.batch_size.suggested_k(**(arguments | kwargs))
 
 
 def test_suggested_k_refuses_a_traced_value():
   @jax.jit
   def inside(b_simple):
-    return ga_optax.suggested_k(b_simple, 16, 64)
+    return ga_optax.batch_size.suggested_k(b_simple, 16, 64)
 
   with pytest.raises(TypeError, match=r"noise_scale .*traced inside jax\.jit"):
     inside(100.0)
@@ -241,31 +244,43 @@ def test_warmup_from_a_linearly_growing_noise_scale():
   # 2 * 2 * 16 = 64 (u = 18), 4 at 128 (u >= 39.3: 40), 8 at 256 (u = 82),
   # and stops at max_k = 16.
   readings = [(u, 10.0 + 3.0 * u) for u in range(1, 200)]
-  schedule = ga_optax.warmup_schedule(readings, 16, first_k=2, max_k=16)
+  schedule = ga_optax.batch_size.warmup_schedule(
+    readings, 16, first_k=2, max_k=16
+  )
   assert schedule == {0: 2, 18: 4, 40: 8, 82: 16}
   assert list(schedule) == sorted(schedule)
 
 
 def test_one_reading_can_double_k_several_times():
   # 300 / 16 = 18.75 micro-steps: 2 -> 4 -> 8 -> 16 (32 would need 512).
-  schedule = ga_optax.warmup_schedule([(5, 300.0)], 16, first_k=2, max_k=64)
+  schedule = ga_optax.batch_size.warmup_schedule(
+    [(5, 300.0)], 16, first_k=2, max_k=64
+  )
   assert schedule == {0: 2, 5: 16}
 
 
 def test_warmup_readings_that_carry_no_information_or_say_large():
   readings = [(1, NAN), (2, 40.0), (3, NAN), (4, INF), (5, 10.0)]
-  assert ga_optax.warmup_schedule(readings, 16, 1, 8) == {0: 1, 2: 2, 4: 8}
-  assert ga_optax.warmup_schedule([(3, 0.0)], 16, 1, 8) == {0: 1}
-  assert ga_optax.warmup_schedule([(3, NAN)], 16, 1, 8) == {0: 1}
-  assert ga_optax.warmup_schedule([], 16, 4, 4) == {0: 4}
+  assert ga_optax.batch_size.warmup_schedule(readings, 16, 1, 8) == {
+    0: 1,
+    2: 2,
+    4: 8,
+  }
+  assert ga_optax.batch_size.warmup_schedule([(3, 0.0)], 16, 1, 8) == {0: 1}
+  assert ga_optax.batch_size.warmup_schedule([(3, NAN)], 16, 1, 8) == {0: 1}
+  assert ga_optax.batch_size.warmup_schedule([], 16, 4, 4) == {0: 4}
 
 
 def test_warmup_readings_in_any_order_and_at_step_zero():
   readings = [(9, 200.0), (0, 40.0), (4, 70.0), (4, 10.0)]
-  assert ga_optax.warmup_schedule(readings, 16, 1, 16) == {0: 2, 4: 4, 9: 8}
-  assert ga_optax.warmup_schedule(
+  assert ga_optax.batch_size.warmup_schedule(readings, 16, 1, 16) == {
+    0: 2,
+    4: 4,
+    9: 8,
+  }
+  assert ga_optax.batch_size.warmup_schedule(
     readings, 16, 1, 16
-  ) == ga_optax.warmup_schedule(sorted(readings), 16, 1, 16)
+  ) == ga_optax.batch_size.warmup_schedule(sorted(readings), 16, 1, 16)
 
 
 def test_warmup_takes_what_the_state_gives():
@@ -273,7 +288,11 @@ def test_warmup_takes_what_the_state_gives():
     (jnp.int32(3), noise_scale_of(70.0)),
     (np.int64(6), jnp.float32(130.0)),
   ]
-  assert ga_optax.warmup_schedule(readings, 16, 2, 8) == {0: 2, 3: 4, 6: 8}
+  assert ga_optax.batch_size.warmup_schedule(readings, 16, 2, 8) == {
+    0: 2,
+    3: 4,
+    6: 8,
+  }
 
 
 b_simple_values = st.one_of(
@@ -293,7 +312,9 @@ def test_warmup_matches_the_running_maximum(
   readings, items, first_k, doublings
 ):
   max_k = first_k * 2**doublings
-  schedule = ga_optax.warmup_schedule(readings, items, first_k, max_k)
+  schedule = ga_optax.batch_size.warmup_schedule(
+    readings, items, first_k, max_k
+  )
   assert schedule == reference_schedule(readings, items, first_k, max_k)
   assert list(schedule) == sorted(schedule)
 
@@ -309,14 +330,16 @@ def test_warmup_matches_the_old_docs_snippet(values, first_k, doublings):
   # and max_k is first_k * 2**n.
   readings = list(enumerate(values, start=1))
   max_k = first_k * 2**doublings
-  assert ga_optax.warmup_schedule(
+  assert ga_optax.batch_size.warmup_schedule(
     readings, 16, first_k, max_k
   ) == old_docs_snippet(readings, 16, first_k, max_k)
 
 
 def test_a_warmup_schedule_is_an_every_k():
   # k = 2 for the first 2 updates, then 4.
-  schedule = ga_optax.warmup_schedule([(2, 70.0)], 16, first_k=2, max_k=4)
+  schedule = ga_optax.batch_size.warmup_schedule(
+    [(2, 70.0)], 16, first_k=2, max_k=4
+  )
   assert schedule == {0: 2, 2: 4}
   tx = ga_optax.accumulate(optax.sgd(1.0), every_k=schedule)
   params = jnp.zeros(3)
@@ -377,7 +400,7 @@ def test_a_warmup_schedule_is_an_every_k():
 )
 def test_warmup_bad_input_names_the_argument(args, error, pattern):
   with pytest.raises(error, match=pattern):
-    ga_optax.warmup_schedule(*args)
+    ga_optax.batch_size.warmup_schedule(*args)
 
 
 # goodput_k
@@ -411,7 +434,7 @@ goodput_cases = st.fixed_dictionaries(
 
 
 def goodput_k_of(case):
-  return ga_optax.goodput_k(
+  return ga_optax.batch_size.goodput_k(
     case["b_simple"],
     items_per_micro_step=case["items"],
     micro_step_seconds=case["micro_step"],
@@ -469,7 +492,7 @@ def test_doubling_pays_exactly_when_the_closing_share_passes_two_k_squared():
   # c B = 32.32 > 2 * 4**2 = 32: 4 -> 8 pays, 8 -> 16 (128) does not.
   for c_times_b, expected in [(32.32, 8), (31.68, 4), (8.08, 4), (7.92, 2)]:
     assert doubling_rule(c_times_b / 100, 100, 1024) == expected
-    k = ga_optax.goodput_k(
+    k = ga_optax.batch_size.goodput_k(
       100.0,
       items_per_micro_step=1,
       micro_step_seconds=1.0,
@@ -545,7 +568,7 @@ def test_powers_of_two_keep_94_percent_of_the_best_integer(case):
 )
 def test_goodput_k_at_the_edges(b_simple, closing, expected):
   for value in (b_simple, noise_scale_of(b_simple)):
-    k = ga_optax.goodput_k(
+    k = ga_optax.batch_size.goodput_k(
       value,
       items_per_micro_step=8,
       micro_step_seconds=0.1,
@@ -561,7 +584,7 @@ def test_goodput_k_docs_figures():
   # 42.08 ms, micro-steps of 8 samples.
   micro_step, closing = 0.02538, 0.04208 - 0.02538
   for b_simple in (16.0, 64.0, 1000.0, 4000.0):
-    k = ga_optax.goodput_k(
+    k = ga_optax.batch_size.goodput_k(
       b_simple,
       items_per_micro_step=8,
       micro_step_seconds=micro_step,
@@ -599,4 +622,4 @@ def test_goodput_k_bad_input_names_the_argument(kwargs, error, pattern):
   arguments |= kwargs
   noise_scale = arguments.pop("noise_scale")
   with pytest.raises(error, match=pattern):
-    ga_optax.goodput_k(noise_scale, **arguments)
+    ga_optax.batch_size.goodput_k(noise_scale, **arguments)

@@ -132,7 +132,7 @@ ONE_GPU = {
   ),
   "adaptive_k_sqrt_lr": lambda: accumulate_case(
     optax.adam(1e-3),
-    every_k=ga_optax.adaptive_k(2, max_k=16),
+    every_k=ga_optax.batch_size.adaptive_k(2, max_k=16),
     noise_scale_decay=0.9,
     lr_scaling="sqrt",
   ),
@@ -268,7 +268,7 @@ EXPLICIT_CASES = {
   ),
   "unreduced_adaptive_k": lambda: unreduced_case(
     fused=True,
-    every_k=ga_optax.adaptive_k(2, max_k=16),
+    every_k=ga_optax.batch_size.adaptive_k(2, max_k=16),
     noise_scale_decay=0.9,
     lr_scaling="sqrt",
   ),

@@ -42,7 +42,7 @@ class Scaler(NamedTuple):
   def transformation(
     self, inner: optax.GradientTransformation
   ) -> optax.GradientTransformationExtraArgs:
-    return ga_optax.dynamic_loss_scale(inner, **self._asdict())
+    return ga_optax.mixed_precision.dynamic_loss_scale(inner, **self._asdict())
 
 
 def init_params(seed: int = 0) -> dict[str, jax.Array]:
@@ -191,7 +191,7 @@ def train_step(tx: Any, fused: bool, compute: Any = jnp.float16) -> Callable:
   """One micro-step: the loss scaled by the state's scale, then accumulated."""
 
   def step(params, state, batch):
-    scale = ga_optax.loss_scale(state)
+    scale = ga_optax.mixed_precision.loss_scale(state)
     grads = jax.grad(lambda p: mean_loss(p, batch, compute) * scale)(params)
     if fused:
       return tx.apply(params, grads, state)
@@ -208,8 +208,8 @@ def run_windows(step: Callable, params: Any, state: Any, windows: list[Window]):
     for batch in window:
       params, state = step(params, state, batch)
     assert bool(ga_optax.emitted(state))
-    scales.append(float(ga_optax.loss_scale(state)))
-    dropped.append(int(ga_optax.dropped_windows(state)))
+    scales.append(float(ga_optax.mixed_precision.loss_scale(state)))
+    dropped.append(int(ga_optax.mixed_precision.dropped_windows(state)))
   return params, state, scales, dropped
 
 
@@ -304,7 +304,9 @@ def test_in_step_micro_batching_with_a_loss_scale(placement):
 
   @jax.jit
   def step(params, state, batch):
-    _, grads = value_and_grad(params, batch, ga_optax.loss_scale(state))
+    _, grads = value_and_grad(
+      params, batch, ga_optax.mixed_precision.loss_scale(state)
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -318,13 +320,13 @@ def test_in_step_micro_batching_with_a_loss_scale(placement):
       for key, v in window[0].items()
     }
     final, state = step(final, state, batch)
-    scales.append(float(ga_optax.loss_scale(state)))
+    scales.append(float(ga_optax.mixed_precision.loss_scale(state)))
 
   reference = grad_scaler_reference(
     ADAM, params, windows, scaler, large_batch_grads(jnp.float32)
   )
   assert scales == reference.scales == EXPECTED_SCALES
-  assert int(ga_optax.dropped_windows(state)) == 1
+  assert int(ga_optax.mixed_precision.dropped_windows(state)) == 1
   assert_close(final, reference.params, **TOLERANCE["float32"])
 
 
@@ -374,12 +376,12 @@ def test_shard_map_every_device_drops_the_window():
       # With check_vma=False each device hands back its own copy: they
       # must be the same (the accumulator aside: each device's own sum).
       assert_devices_agree((final, state.inner_state))
-    scales.append(float(ga_optax.loss_scale(state)))
+    scales.append(float(ga_optax.mixed_precision.loss_scale(state)))
 
   reference = multi_device_reference(ADAM, params, windows, scaler)
   assert reference.dropped == [False, True, False]
   assert scales == reference.scales == [2.0**11, 2.0**10, 2.0**11]
-  assert int(ga_optax.dropped_windows(state)) == 1
+  assert int(ga_optax.mixed_precision.dropped_windows(state)) == 1
   assert_close(final, reference.params, **TOLERANCE["float16"])
 
 
@@ -401,7 +403,9 @@ def test_unreduced_axes_every_device_drops_the_window(zero):
 
   @jax.jit
   def step(params, state, batch):
-    _, grads = value_and_grad(params, batch, ga_optax.loss_scale(state))
+    _, grads = value_and_grad(
+      params, batch, ga_optax.mixed_precision.loss_scale(state)
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -414,12 +418,12 @@ def test_unreduced_axes_every_device_drops_the_window(zero):
       for batch in window:
         final, state = step(final, state, jax.device_put(batch, P("data")))
         assert_devices_agree((final, state.inner_state))
-      scales.append(float(ga_optax.loss_scale(state)))
+      scales.append(float(ga_optax.mixed_precision.loss_scale(state)))
 
   reference = multi_device_reference(ADAM, init_params(), windows, scaler)
   assert reference.dropped == [False, True, False]
   assert scales == reference.scales
-  assert int(ga_optax.dropped_windows(state)) == 1
+  assert int(ga_optax.mixed_precision.dropped_windows(state)) == 1
   assert_close(jax.device_get(final), reference.params, **TOLERANCE["float16"])
 
 
@@ -428,7 +432,7 @@ def test_unreduced_axes_every_device_drops_the_window(zero):
 
 def test_a_dropped_step_leaves_the_optimizer_and_backs_off():
   inner = optax.adam(0.1)
-  tx = ga_optax.dynamic_loss_scale(
+  tx = ga_optax.mixed_precision.dynamic_loss_scale(
     inner, initial_scale=4.0, growth_interval=3, min_scale=2.0
   )
   update = jax.jit(tx.update)
@@ -457,7 +461,7 @@ def test_a_dropped_step_leaves_the_optimizer_and_backs_off():
 
 def test_the_scale_grows_only_while_it_stays_finite():
   largest = float(jnp.finfo(jnp.float32).max)
-  tx = ga_optax.dynamic_loss_scale(
+  tx = ga_optax.mixed_precision.dynamic_loss_scale(
     optax.sgd(1.0), initial_scale=largest, growth_interval=1
   )
   params = jnp.zeros(2)
@@ -476,7 +480,7 @@ def test_float16_gradients_are_unscaled_into_float16():
   grads = jnp.array([0.03, 60000.0], jnp.float16)
   for scale, dropped in [(2.0**15, 0), (2.0**-10, 1)]:
     tx = ga_optax.accumulate(
-      ga_optax.dynamic_loss_scale(
+      ga_optax.mixed_precision.dynamic_loss_scale(
         optax.sgd(1.0), initial_scale=scale, min_scale=2.0**-10
       ),
       2,
@@ -485,7 +489,7 @@ def test_float16_gradients_are_unscaled_into_float16():
     _, state = tx.update(grads, state, params)
     updates, state = tx.update(grads, state, params)
     assert updates.dtype == jnp.float16
-    assert int(ga_optax.dropped_windows(state)) == dropped
+    assert int(ga_optax.mixed_precision.dropped_windows(state)) == dropped
     expected = -(np.asarray(grads, np.float32) / np.float32(scale))
     if not dropped:
       np.testing.assert_array_equal(updates, expected.astype(np.float16))
@@ -504,14 +508,16 @@ def test_the_accumulator_must_be_wide_enough_for_the_window_sum():
   params = jnp.zeros(2, jnp.float16)
   for accumulator_dtype, dropped in [(jnp.float32, 0), (jnp.float16, 1)]:
     tx = ga_optax.accumulate(
-      ga_optax.dynamic_loss_scale(optax.sgd(1.0)),
+      ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(1.0)),
       4,
       accumulator_dtype=accumulator_dtype,
     )
     state = tx.init(params)
     for _ in range(4):
       updates, state = tx.update(grads, state, params)
-    assert int(ga_optax.dropped_windows(state)) == dropped, accumulator_dtype
+    assert int(ga_optax.mixed_precision.dropped_windows(state)) == dropped, (
+      accumulator_dtype
+    )
     assert all_finite(updates)
 
 
@@ -526,12 +532,16 @@ def test_a_summed_float16_window_overflows_as_the_large_batch_does():
   params = jnp.zeros(2, jnp.float16)
   for reduction, dropped in [("mean", 0), ("sum", 1)]:
     tx = ga_optax.accumulate(
-      ga_optax.dynamic_loss_scale(optax.sgd(1.0)), 4, reduction=reduction
+      ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(1.0)),
+      4,
+      reduction=reduction,
     )
     state = tx.init(params)
     for _ in range(4):
       _, state = tx.update(grads, state, params)
-    assert int(ga_optax.dropped_windows(state)) == dropped, reduction
+    assert int(ga_optax.mixed_precision.dropped_windows(state)) == dropped, (
+      reduction
+    )
 
 
 def noise_scale_of_windows(
@@ -564,7 +574,7 @@ def test_the_noise_scale_is_in_the_gradients_own_units():
   rng = np.random.default_rng(4)
   windows = rng.normal(1.0, 1.0, size=(4, 3, 5)).astype(np.float32)
   tx = ga_optax.accumulate(
-    ga_optax.dynamic_loss_scale(
+    ga_optax.mixed_precision.dynamic_loss_scale(
       optax.sgd(0.0), initial_scale=2.0**10, growth_interval=1
     ),
     3,
@@ -574,9 +584,9 @@ def test_the_noise_scale_is_in_the_gradients_own_units():
   state = tx.init(params)
   scales = []
   for window in windows:
-    scales.append(float(ga_optax.loss_scale(state)))
+    scales.append(float(ga_optax.mixed_precision.loss_scale(state)))
     for grad in window:
-      scaled = ga_optax.loss_scale(state) * jnp.asarray(grad)
+      scaled = ga_optax.mixed_precision.loss_scale(state) * jnp.asarray(grad)
       _, state = tx.update(scaled, state, params)
   assert scales == [2.0**10, 2.0**11, 2.0**12, 2.0**13]
   assert_same_noise_scale(
@@ -593,7 +603,7 @@ def test_a_dropped_window_does_not_enter_the_noise_scale():
   kept = (rng.integers(4, 17, size=(2, 4, 4)) / 4).astype(np.float32)
   overflowing = np.full((4, 4), 60000.0, np.float32)
   tx = ga_optax.accumulate(
-    ga_optax.dynamic_loss_scale(
+    ga_optax.mixed_precision.dynamic_loss_scale(
       optax.sgd(0.0),
       initial_scale=2.0**-10,
       min_scale=2.0**-12,
@@ -605,13 +615,13 @@ def test_a_dropped_window_does_not_enter_the_noise_scale():
   params = jnp.zeros(4, jnp.float16)
   state = tx.init(params)
   for window in (kept[0], overflowing / 2.0**-10, kept[1]):
-    scale = float(ga_optax.loss_scale(state))
+    scale = float(ga_optax.mixed_precision.loss_scale(state))
     for grad in window:
       scaled = jnp.asarray(grad * scale, jnp.float16)
       assert bool(jnp.all(jnp.isfinite(scaled)))
       _, state = tx.update(scaled, state, params)
-  assert int(ga_optax.dropped_windows(state)) == 1
-  assert float(ga_optax.loss_scale(state)) == 2.0**-11
+  assert int(ga_optax.mixed_precision.dropped_windows(state)) == 1
+  assert float(ga_optax.mixed_precision.loss_scale(state)) == 2.0**-11
   assert_same_noise_scale(
     ga_optax.noise_scale(state), noise_scale_of_windows(kept, 0.5)
   )
@@ -624,15 +634,20 @@ def test_skip_nonfinite_around_a_loss_scale_is_refused_at_init(make):
   # Every overflowing micro-step would be dropped before the window saw it:
   # the scale would never back off, and nothing would be applied.
   for inner in (
-    ga_optax.dynamic_loss_scale(optax.sgd(1.0)),
-    optax.chain(optax.clip(1.0), ga_optax.dynamic_loss_scale(optax.sgd(1.0))),
+    ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(1.0)),
+    optax.chain(
+      optax.clip(1.0),
+      ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(1.0)),
+    ),
   ):
     tx = make(inner, 2, skip_nonfinite=True)
     with pytest.raises(ValueError, match="skip_nonfinite=True") as raised:
       tx.init(jnp.zeros(2))
     assert "dynamic_loss_scale" in str(raised.value)
   # Either alone is fine.
-  make(ga_optax.dynamic_loss_scale(optax.sgd(1.0)), 2).init(jnp.zeros(2))
+  make(ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(1.0)), 2).init(
+    jnp.zeros(2)
+  )
   make(optax.sgd(1.0), 2, skip_nonfinite=True).init(jnp.zeros(2))
 
 
@@ -643,7 +658,9 @@ def test_skip_nonfinite_around_a_loss_scale_is_refused_at_init(make):
 def test_float16_gradients_unscaled_by_a_scale_above_float16s_range():
   grads = jnp.array([2.0**15, 2.0**10], jnp.float16)
   params = jnp.zeros(2, jnp.float16)
-  tx = ga_optax.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**16)
+  tx = ga_optax.mixed_precision.dynamic_loss_scale(
+    optax.sgd(1.0), initial_scale=2.0**16
+  )
   updates, state = tx.update(grads, tx.init(params), params)
   assert updates.dtype == jnp.float16
   np.testing.assert_array_equal(
@@ -659,12 +676,15 @@ def test_a_scale_growing_past_65504_keeps_the_updates_exact():
   windows = rng.integers(-16, 17, size=(4, 2, 3)) / 2.0**8
   params = jnp.zeros(3, jnp.float16)
   tx = ga_optax.accumulate(
-    ga_optax.dynamic_loss_scale(optax.sgd(1.0), growth_interval=1), 2
+    ga_optax.mixed_precision.dynamic_loss_scale(
+      optax.sgd(1.0), growth_interval=1
+    ),
+    2,
   )
   state = tx.init(params)
   scales = []
   for window in windows:
-    scales.append(float(ga_optax.loss_scale(state)))
+    scales.append(float(ga_optax.mixed_precision.loss_scale(state)))
     for grad in window:
       scaled = jnp.asarray(grad * scales[-1], jnp.float16)
       updates, state = tx.update(scaled, state, params)
@@ -673,24 +693,26 @@ def test_a_scale_growing_past_65504_keeps_the_updates_exact():
       updates, (-window.mean(axis=0)).astype(np.float16)
     )
   assert scales == [2.0**15, 2.0**16, 2.0**17, 2.0**18]
-  assert int(ga_optax.dropped_windows(state)) == 0
+  assert int(ga_optax.mixed_precision.dropped_windows(state)) == 0
 
 
 def test_readers_find_the_state_anywhere():
   tx = optax.chain(
     optax.clip(1.0),
-    ga_optax.accumulate(ga_optax.dynamic_loss_scale(optax.sgd(0.1)), 2),
+    ga_optax.accumulate(
+      ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(0.1)), 2
+    ),
   )
   state = tx.init(jnp.zeros(2))
-  assert float(ga_optax.loss_scale(state)) == 2.0**15
-  assert int(ga_optax.dropped_windows(state)) == 0
+  assert float(ga_optax.mixed_precision.loss_scale(state)) == 2.0**15
+  assert int(ga_optax.mixed_precision.dropped_windows(state)) == 0
   with pytest.raises(ValueError, match="exactly one DynamicLossScaleState"):
-    ga_optax.loss_scale(optax.adam(0.1).init(jnp.zeros(2)))
+    ga_optax.mixed_precision.loss_scale(optax.adam(0.1).init(jnp.zeros(2)))
   twice = (state, state)
   with pytest.raises(ValueError, match="found 2"):
-    ga_optax.dropped_windows(twice)
+    ga_optax.mixed_precision.dropped_windows(twice)
   with pytest.raises(TypeError, match="DynamicLossScaleState"):
-    ga_optax.dynamic_loss_scale(optax.sgd(0.1)).update(
+    ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(0.1)).update(
       jnp.zeros(2), optax.sgd(0.1).init(jnp.zeros(2))
     )
 
@@ -713,9 +735,9 @@ def test_readers_find_the_state_anywhere():
 )
 def test_bad_arguments_name_themselves(arguments, error, match):
   with pytest.raises(error, match=match):
-    ga_optax.dynamic_loss_scale(optax.sgd(0.1), **arguments)
+    ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(0.1), **arguments)
 
 
 def test_the_optimizer_must_be_a_transformation():
   with pytest.raises(TypeError, match="optimizer"):
-    ga_optax.dynamic_loss_scale(lambda grads: grads)  # type: ignore[arg-type]
+    ga_optax.mixed_precision.dynamic_loss_scale(lambda grads: grads)  # type: ignore[arg-type]

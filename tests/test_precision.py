@@ -204,7 +204,7 @@ def test_an_adaptive_k_is_judged_by_its_largest_k(make):
   caught = caught_warnings(
     make,
     optax.sgd(1.0),
-    ga_optax.adaptive_k(2, max_k=128),
+    ga_optax.batch_size.adaptive_k(2, max_k=128),
     noise_scale_decay=0.9,
     accumulator_dtype=BF16,
   )
@@ -213,7 +213,7 @@ def test_an_adaptive_k_is_judged_by_its_largest_k(make):
   assert not caught_warnings(
     make,
     optax.sgd(1.0),
-    ga_optax.adaptive_k(2, max_k=32),
+    ga_optax.batch_size.adaptive_k(2, max_k=32),
     noise_scale_decay=0.9,
     accumulator_dtype=BF16,
   )

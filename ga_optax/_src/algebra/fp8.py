@@ -96,7 +96,7 @@ def split_variables(variables: Any) -> tuple[Any, Any]:
   ``TrainState`` splits them: the optimizer sees their ``"params"``.
 
   Example:
-    >>> from ga_optax._src import fp8
+    >>> from ga_optax._src.algebra import fp8
     >>> fp8.split_variables({"params": {"w": 1.0},
     ...                      "_overwrite_with_gradient": {"s": 2.0}})
     ({'w': 1.0}, {'s': 2.0})
@@ -201,7 +201,7 @@ def init_window(fp8_state: Any, reduction: str = "mean") -> Fp8Window | None:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from ga_optax._src import fp8
+    >>> from ga_optax._src.algebra import fp8
     >>> state = {"input_amax_history": jnp.ones(3), "input_scale": jnp.ones(1)}
     >>> fp8.init_window(state).combined["input_amax_history"]
     Array([0., 0., 0.], dtype=float32)
@@ -266,7 +266,7 @@ def combine(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from ga_optax._src import fp8
+    >>> from ga_optax._src.algebra import fp8
     >>> start = {"input_amax_history": jnp.zeros(2),
     ...          "output_grad_amax_history": jnp.zeros(2)}
     >>> window = fp8.init_window(start)
@@ -327,7 +327,7 @@ def close(window: Fp8Window, start: Any, weight_sum: Any) -> Any:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from ga_optax._src import fp8
+    >>> from ga_optax._src.algebra import fp8
     >>> start = {"output_grad_amax_history": jnp.array([5.0, 4.0])}
     >>> window = fp8.init_window(start)
     >>> latest = {"output_grad_amax_history": jnp.array([3.0, 5.0])}

@@ -203,7 +203,7 @@ def adaptive_k(
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
     >>> tx = ga_optax.accumulate(
-    ...     optax.sgd(0.1), ga_optax.adaptive_k(2, max_k=8),
+    ...     optax.sgd(0.1), ga_optax.batch_size.adaptive_k(2, max_k=8),
     ...     noise_scale_decay=0.0)
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)

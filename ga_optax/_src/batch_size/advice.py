@@ -9,7 +9,7 @@ the closing step's cost is counted (:func:`goodput_k`). They are plain
 Python, called between jitted steps.
 
 All three read ``B_simple`` as :func:`ga_optax.noise_scale` returns it, and
-as :func:`ga_optax.adaptive_k` acts on it:
+as :func:`ga_optax.batch_size.adaptive_k` acts on it:
 
 * NaN (no window measured yet) never grows k: 1, or the warm-up's k so far;
 * infinite (the smoothed |G|^2 is at or below 0: the gradient is lost in the
@@ -178,13 +178,13 @@ def suggested_k(
 
   Example:
     >>> import ga_optax
-    >>> ga_optax.suggested_k(126.4, 16, max_k=64)  # 126.4 / 16 = 7.9
+    >>> ga_optax.batch_size.suggested_k(126.4, 16, max_k=64)  # 126.4 / 16 = 7.9
     8
-    >>> ga_optax.suggested_k(88.0, 16, max_k=64)  # 5.5: nearer 4 than 8
+    >>> ga_optax.batch_size.suggested_k(88.0, 16, max_k=64)  # 5.5: nearer 4 than 8
     4
-    >>> ga_optax.suggested_k(float("nan"), 16, max_k=64)
+    >>> ga_optax.batch_size.suggested_k(float("nan"), 16, max_k=64)
     1
-    >>> ga_optax.suggested_k(float("inf"), 16, max_k=64)
+    >>> ga_optax.batch_size.suggested_k(float("inf"), 16, max_k=64)
     64
   """
   b_simple = read_b_simple(noise_scale, "noise_scale")
@@ -328,7 +328,7 @@ def warmup_schedule(
 
     >>> import ga_optax
     >>> readings = [(1, 40.0), (2, 70.0), (3, 100.0), (4, 300.0)]
-    >>> ga_optax.warmup_schedule(readings, 16, first_k=2, max_k=16)
+    >>> ga_optax.batch_size.warmup_schedule(readings, 16, first_k=2, max_k=16)
     {0: 2, 2: 4, 4: 16}
   """
   items = check_positive_real(items_per_micro_step, "items_per_micro_step")
@@ -418,7 +418,7 @@ def goodput_k(
     micro-steps of 8: the peak is at sqrt(1 * 200 / 8) = 5, and 4 beats 8.
 
     >>> import ga_optax
-    >>> ga_optax.goodput_k(
+    >>> ga_optax.batch_size.goodput_k(
     ...     200.0, items_per_micro_step=8, micro_step_seconds=0.02,
     ...     closing_seconds=0.02, base_batch=8, max_k=64)
     4

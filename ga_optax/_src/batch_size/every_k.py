@@ -2,7 +2,7 @@
 
 ``accumulate`` takes ``every_k`` as an int, a jittable callable of the
 applied-update count, a ``{update_step: k}`` dict, or
-:func:`ga_optax.adaptive_k`. Each is normalised here into a
+:func:`ga_optax.batch_size.adaptive_k`. Each is normalised here into a
 :class:`WindowLength`: the first window's k, and the next window's k when a
 window closes. The window keeps k in its state; the first three are
 schedules of the applied-update count (:class:`Scheduled`), the last

@@ -37,20 +37,20 @@ from ga_optax._src.window.state import find_one
 
 
 class DynamicLossScaleState(NamedTuple):
-  """State of :func:`ga_optax.dynamic_loss_scale`: a plain pytree.
+  """State of :func:`ga_optax.mixed_precision.dynamic_loss_scale`: a plain pytree.
 
   "Window" below means one ``update`` call of the transformation: a closed
   window inside :func:`ga_optax.accumulate`, a step when it is used alone.
 
   Attributes:
     scale: float32, the scale to multiply the next window's losses by (read
-      it with :func:`ga_optax.loss_scale`).
+      it with :func:`ga_optax.mixed_precision.loss_scale`).
     finite_windows: int32, finite windows since the last dropped window or
       the last growth of the scale; the scale grows when it reaches
       ``growth_interval``.
     dropped_windows: int32, windows dropped because their gradient was not
       finite, over the whole run (read it with
-      :func:`ga_optax.dropped_windows`).
+      :func:`ga_optax.mixed_precision.dropped_windows`).
     inner_state: the wrapped optimizer's state, which a dropped window
       leaves as it was.
   """
@@ -205,7 +205,7 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Unscales a loss-scaled gradient, steps ``optimizer`` if it is finite.
 
-  The train step multiplies its loss by :func:`ga_optax.loss_scale` of the
+  The train step multiplies its loss by :func:`ga_optax.mixed_precision.loss_scale` of the
   optimizer state before differentiating, and hands the (scaled) gradient
   to ``update``. Each ``update`` call divides the gradient by the scale and
   then:
@@ -273,16 +273,16 @@ def dynamic_loss_scale(
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
-    >>> tx = ga_optax.dynamic_loss_scale(
+    >>> tx = ga_optax.mixed_precision.dynamic_loss_scale(
     ...     optax.sgd(0.1), initial_scale=1024.0, growth_interval=2)
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)
-    >>> scaled = ga_optax.loss_scale(state) * jnp.array([1.0, 2.0])
+    >>> scaled = ga_optax.mixed_precision.loss_scale(state) * jnp.array([1.0, 2.0])
     >>> updates, state = tx.update(scaled, state, params)
     >>> updates
     Array([-0.1, -0.2], dtype=float32)
     >>> updates, state = tx.update(jnp.array([jnp.inf, 0.0]), state, params)
-    >>> updates, float(ga_optax.loss_scale(state))
+    >>> updates, float(ga_optax.mixed_precision.loss_scale(state))
     (Array([0., 0.], dtype=float32), 512.0)
   """
   inner = validation.check_optimizer(optimizer)
@@ -342,7 +342,9 @@ def find_loss_scale_state(state: Any) -> DynamicLossScaleState:
   Raises:
     ValueError: ``state`` holds none, or several.
   """
-  return find_one(state, DynamicLossScaleState, "ga_optax.dynamic_loss_scale")
+  return find_one(
+    state, DynamicLossScaleState, "ga_optax.mixed_precision.dynamic_loss_scale"
+  )
 
 
 def _loss_scale_states(state: Any) -> list[DynamicLossScaleState]:
@@ -399,7 +401,7 @@ def refuse_skipped_overflows(inner_state: Any) -> None:
       " dynamic_loss_scale it wraps never sees an overflow and never backs"
       " its scale off: under a scale too large every micro-step is dropped"
       " and nothing is applied. Pass skip_nonfinite=False (the default):"
-      " ga_optax.dynamic_loss_scale drops a window whose gradient is not"
+      " ga_optax.mixed_precision.dynamic_loss_scale drops a window whose gradient is not"
       " finite and backs off by itself."
     )
 
@@ -408,7 +410,7 @@ def loss_scale(state: Any) -> jax.Array:
   """The loss scale to multiply the loss by, before taking its gradient.
 
   Multiply the loss in float32 (a float16 loss would overflow at the scale
-  itself): ``loss_fn(params, batch) * ga_optax.loss_scale(opt_state)``.
+  itself): ``loss_fn(params, batch) * ga_optax.mixed_precision.loss_scale(opt_state)``.
   Inside :func:`ga_optax.accumulate` the scale changes only when a window
   closes, so every micro-batch of a window gets the same one.
 
@@ -428,8 +430,8 @@ def loss_scale(state: Any) -> jax.Array:
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
     >>> tx = ga_optax.accumulate(
-    ...     ga_optax.dynamic_loss_scale(optax.adam(1e-3)), 4)
-    >>> float(ga_optax.loss_scale(tx.init(jnp.zeros(3))))
+    ...     ga_optax.mixed_precision.dynamic_loss_scale(optax.adam(1e-3)), 4)
+    >>> float(ga_optax.mixed_precision.loss_scale(tx.init(jnp.zeros(3))))
     32768.0
   """
   # Flax NNX's Optimizer wraps state leaves in Variables: asarray returns
@@ -458,12 +460,12 @@ def dropped_windows(state: Any) -> jax.Array:
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
     >>> tx = ga_optax.accumulate(
-    ...     ga_optax.dynamic_loss_scale(optax.sgd(0.1)), 2)
+    ...     ga_optax.mixed_precision.dynamic_loss_scale(optax.sgd(0.1)), 2)
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)
     >>> for grad in ([1.0, jnp.inf], [1.0, 1.0]):
     ...   _, state = tx.update(jnp.array(grad), state, params)
-    >>> int(ga_optax.dropped_windows(state)), float(ga_optax.loss_scale(state))
+    >>> int(ga_optax.mixed_precision.dropped_windows(state)), float(ga_optax.mixed_precision.loss_scale(state))
     (1, 16384.0)
   """
   return jnp.asarray(find_loss_scale_state(state).dropped_windows)

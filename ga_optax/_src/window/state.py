@@ -36,7 +36,7 @@ class AccumulateState(NamedTuple):
       :func:`ga_optax.applied_updates`).
     every_k: int32, the k of the open window, decided when the previous
       window closed (read it with :func:`ga_optax.current_k`). With
-      :func:`ga_optax.adaptive_k` the windows so far decided it; with a
+      :func:`ga_optax.batch_size.adaptive_k` the windows so far decided it; with a
       schedule the schedule does: a state resumed under another ``every_k``
       closes its windows by the new one from its next call, and holds the
       new k from the next window on.
@@ -137,12 +137,12 @@ def emitted(state: Any) -> jax.Array:
   held no weight (nothing is applied then).
 
   True whenever the wrapped optimizer ran, whatever it decided: a window
-  that :func:`ga_optax.dynamic_loss_scale` drops (float16 overflow) emits
+  that :func:`ga_optax.mixed_precision.dynamic_loss_scale` drops (float16 overflow) emits
   zero updates with ``emitted`` True, and counts in
   :func:`ga_optax.applied_updates`, as PyTorch's loop counter moves on past a
   skipped ``scaler.step``; schedules of k move on with it. The wrapped
   optimizer decides the drop where ``accumulate`` cannot see it:
-  :func:`ga_optax.dropped_windows` counts those windows.
+  :func:`ga_optax.mixed_precision.dropped_windows` counts those windows.
 
   Args:
     state: an :class:`AccumulateState`, or any optimizer state that holds
@@ -173,7 +173,7 @@ def applied_updates(state: Any) -> jax.Array:
   A train state's ``step`` (Flax ``TrainState.step``, or the count of an NNX
   ``Optimizer``) counts ``update`` calls, that is micro-steps; this counts
   closed windows, the steps of a large-batch run. A window that a wrapped
-  :func:`ga_optax.dynamic_loss_scale` drops counts here too (see
+  :func:`ga_optax.mixed_precision.dynamic_loss_scale` drops counts here too (see
   :func:`ga_optax.emitted`).
 
   Args:
@@ -205,7 +205,7 @@ def current_k(state: Any) -> jax.Array:
 
   Decided when the previous window closed: by the schedule of ``every_k``
   (an int, a callable or a dict of the applied-update count), or by the
-  noise scale with :func:`ga_optax.adaptive_k`.
+  noise scale with :func:`ga_optax.batch_size.adaptive_k`.
 
   Args:
     state: an :class:`AccumulateState`, or any optimizer state that holds

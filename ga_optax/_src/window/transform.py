@@ -61,7 +61,7 @@ def resolve(
   window_length = every_k_lib.as_window_length(every_k)
   if isinstance(window_length, adaptive.AdaptiveK) and decay is None:
     raise ValueError(
-      "every_k=ga_optax.adaptive_k(...) follows the measured gradient noise"
+      "every_k=ga_optax.batch_size.adaptive_k(...) follows the measured gradient noise"
       " scale: pass noise_scale_decay too (for example noise_scale_decay="
       "0.95, averaging over about 20 windows)."
     )
@@ -102,7 +102,7 @@ def resolve(
 def initializer(window: Window) -> Callable[[optax.Params], AccumulateState]:
   """``window.init``, refusing what only the wrapped state shows.
 
-  ``skip_nonfinite=True`` around :func:`ga_optax.dynamic_loss_scale` is
+  ``skip_nonfinite=True`` around :func:`ga_optax.mixed_precision.dynamic_loss_scale` is
   refused here: the optimizer is opaque until its state is made.
   """
   if not window.skip_nonfinite:
@@ -214,7 +214,7 @@ def accumulate(
     every_k: micro-steps per window: a positive int; a jittable callable
       mapping the applied-update count (int32 scalar) to k, where values
       below 1 act as 1; a dict ``{update_step: k}`` with key 0, piecewise
-      constant in the applied-update count; or :func:`ga_optax.adaptive_k`,
+      constant in the applied-update count; or :func:`ga_optax.batch_size.adaptive_k`,
       a k that follows the measured noise scale (needs
       ``noise_scale_decay``). Each window's k is decided when the previous
       one closes and kept in the state (:func:`ga_optax.current_k`).
@@ -224,7 +224,7 @@ def accumulate(
     skip_nonfinite: drop a micro-step whose gradients hold NaN or Inf
       whole: not added, not counted toward k, and counted in
       ``num_skipped``. ``init`` refuses it around
-      :func:`ga_optax.dynamic_loss_scale`, which must see the overflows to
+      :func:`ga_optax.mixed_precision.dynamic_loss_scale`, which must see the overflows to
       back its scale off. With ``axis_name`` or ``unreduced_axes`` the check is
       global (a scalar all-reduce per micro-step) so that every device drops
       the same micro-steps.
@@ -307,14 +307,14 @@ def accumulate(
       ``every_k``, ``accumulator_dtype``, ``axis_name``,
       ``unreduced_axes`` or a memory kind has a wrong type.
     ValueError: ``every_k`` below 1, a bad ``every_k`` dict,
-      :func:`ga_optax.adaptive_k` without ``noise_scale_decay``, an unknown
+      :func:`ga_optax.batch_size.adaptive_k` without ``noise_scale_decay``, an unknown
       ``reduction`` or ``lr_scaling``, both ``axis_name`` and ``unreduced_axes``,
       ``inner_state_axes`` without ``unreduced_axes``, or a memory
       kind the device does not offer (the message lists those it does) or
       that ``jit`` cannot keep arrays in. ``init`` and ``update`` raise for
       axes that are not of the mesh kind their argument needs; ``init``
       raises for ``skip_nonfinite=True`` around
-      :func:`ga_optax.dynamic_loss_scale`; ``update``
+      :func:`ga_optax.mixed_precision.dynamic_loss_scale`; ``update``
       raises for ``grads`` that do not match the state (tree, shapes,
       dtypes, or unreduced axes), for a state in other memory kinds than
       those it is kept in, and for a bad ``weight`` or ``flush``.

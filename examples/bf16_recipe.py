@@ -1,8 +1,8 @@
 """The bfloat16 recipe, measured: bf16 params, float32 accumulator and moments.
 
-Trains the small Transformer LM of ``examples/lm_token_weighting.py`` on the
-same text (Python's own help texts), from the same initial parameters, on the
-same windows of token-weighted micro-batches (``ga_optax.accumulate`` with
+Trains the small Transformer LM of ``examples/byte_lm.py`` on its text
+(Python's own help texts), from the same initial parameters, on the same
+windows of token-weighted micro-batches (``ga_optax.accumulate`` with
 ``weight=`` the real tokens), with AdamW on a warm-up and cosine schedule,
 five ways:
 
@@ -50,7 +50,7 @@ from tqdm import tqdm
 import ga_optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_token_weighting import (
+from byte_lm import (
   MODEL_SIZES,
   add_preset_options,
   count_real_tokens,

@@ -51,6 +51,11 @@ def lm_example() -> ModuleType:
   return load_example("lm_token_weighting")
 
 
+@pytest.fixture(scope="module")
+def byte_lm() -> ModuleType:
+  return load_example("byte_lm")
+
+
 IDX_TYPE_CODES = {
   ">u1": 0x08,
   ">i1": 0x09,
@@ -222,22 +227,22 @@ def test_output_goes_under_the_current_directory(name, tmp_path, monkeypatch):
   assert output_dir == (tmp_path / "ga_optax_output" / name).resolve()
 
 
-def test_lm_text_is_cut_at_sentence_and_paragraph_ends(lm_example):
+def test_lm_text_is_cut_at_sentence_and_paragraph_ends(byte_lm):
   text = (
     "One. Two is here.\nThree!\n\n"
     "A paragraph with no end at all but many words\n   \n"
     "abcdefghijklmnopqrstuvwxyz0123456789"
   )
-  tokens = lm_example.text_sequences([text], max_len=20)
+  tokens = byte_lm.text_sequences([text], max_len=20)
 
   assert tokens.shape == (7, 22)
   assert tokens.dtype == np.int32
   pieces = []
   for row in tokens:
-    assert row[0] == lm_example.BOS
-    end = int(np.flatnonzero(row == lm_example.EOS)[0])
-    assert (row[end + 1 :] == lm_example.PAD).all()
-    piece = (row[1:end] - lm_example.NUM_SPECIAL).astype(np.uint8)
+    assert row[0] == byte_lm.BOS
+    end = int(np.flatnonzero(row == byte_lm.EOS)[0])
+    assert (row[end + 1 :] == byte_lm.PAD).all()
+    piece = (row[1:end] - byte_lm.NUM_SPECIAL).astype(np.uint8)
     pieces.append(piece.tobytes().decode())
   assert pieces == [
     # Whole sentences, as many as fit.
@@ -253,12 +258,12 @@ def test_lm_text_is_cut_at_sentence_and_paragraph_ends(lm_example):
   ]
 
 
-def test_lm_sequences_from_the_help_texts_vary_in_length(lm_example):
-  texts = list(lm_example.topics.values())
+def test_lm_sequences_from_the_help_texts_vary_in_length(byte_lm):
+  texts = list(byte_lm.topics.values())
   corpus = "\n\n".join(texts).encode("utf-8")
-  tokens = lm_example.text_sequences(texts, max_len=128)
+  tokens = byte_lm.text_sequences(texts, max_len=128)
 
-  real = tokens[:, 1:] != lm_example.PAD
+  real = tokens[:, 1:] != byte_lm.PAD
   lengths = real.sum(axis=1) - 1
   assert len(tokens) > 3000
   assert lengths.min() >= 1
@@ -267,7 +272,7 @@ def test_lm_sequences_from_the_help_texts_vary_in_length(lm_example):
   # a large share of a batch, not an edge case.
   assert np.quantile(lengths, 0.1) < 32 < 96 < np.quantile(lengths, 0.75)
   for row, length in zip(tokens[::50], lengths[::50], strict=True):
-    piece = (row[1 : length + 1] - lm_example.NUM_SPECIAL).astype(np.uint8)
+    piece = (row[1 : length + 1] - byte_lm.NUM_SPECIAL).astype(np.uint8)
     assert piece.tobytes() in corpus
 
 
@@ -281,7 +286,7 @@ def test_lm_presets_give_way_to_the_options_given(lm_example):
   assert args.learning_rate == lm_example.LEARNING_RATES["sgd"]
 
 
-def test_lm_token_weighting(lm_example, tmp_path, capsys):
+def test_lm_token_weighting(lm_example, byte_lm, tmp_path, capsys):
   # Plain SGD: an update is the gradient times the learning rate, so a
   # gradient of the wrong scale moves the parameters by as much. (Adam
   # divides most of such an error out.)
@@ -312,7 +317,7 @@ def test_lm_token_weighting(lm_example, tmp_path, capsys):
   assert results["naive (mean of means)"]["relative_distance"] > EQUIVALENT
   assert (tmp_path / "lm_token_weighting.png").stat().st_size > 0
   printed = capsys.readouterr().out
-  assert f"pydoc_data.topics, {len(lm_example.topics)} help texts" in printed
+  assert f"pydoc_data.topics, {len(byte_lm.topics)} help texts" in printed
   assert "real tokens per micro-batch: " in printed
   assert f"plot: {(tmp_path / 'lm_token_weighting.png').resolve()}" in printed
 

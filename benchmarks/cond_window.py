@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 import ga_optax
-from benchmarks import compiled as compiled_lib
+from benchmarks import compiled_steps
 from benchmarks import workloads as workloads_lib
 from ga_optax import testing
 
@@ -146,7 +146,7 @@ def _paths(program: Any) -> Record:
     "loops": text.count(" while("),
   }
   for path in ("micro_step", "closing"):
-    audit = compiled_lib.audit_path(program, path)
+    audit = compiled_steps.audit_path(program, path)
     record[f"{path}_moved_mib"] = audit.bytes_moved / MIB
     record[f"{path}_copied_mib"] = audit.copied_bytes() / MIB
   return record

@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import ga_optax  # noqa: E402
-from benchmarks.run import _environment  # noqa: E402
+from benchmarks import environment as environment_lib  # noqa: E402
 
 WIDTH = 64
 EVERY_K = 4
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
   command = "python benchmarks/eager.py " + " ".join(
     sys.argv[1:] if argv is None else argv
   )
-  environment = _environment(command.strip())
+  environment = environment_lib.environment(command.strip())
   records = measure(args.calls)
   args.output.parent.mkdir(parents=True, exist_ok=True)
   args.output.write_text(

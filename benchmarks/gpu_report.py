@@ -49,11 +49,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ga_optax  # noqa: E402
-from benchmarks import compiled as compiled_lib  # noqa: E402
+from benchmarks import batch_fit, compiled_steps, host_offload, timing  # noqa: E402
 from benchmarks import cond_window as cond_lib  # noqa: E402
-from benchmarks import host_memory as host_lib  # noqa: E402
-from benchmarks import largest_batch as largest_lib  # noqa: E402
-from benchmarks import run as run_lib  # noqa: E402
+from benchmarks import environment as environment_lib  # noqa: E402
 from benchmarks import summation_orders as orders_lib  # noqa: E402
 from benchmarks import window_time as window_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
@@ -118,7 +116,7 @@ def per_workload(records: dict[str, list[Record]]) -> list[str]:
 
 
 def environment(command: str, quick: bool) -> Record:
-  record = run_lib._environment(command)
+  record = environment_lib.environment(command)
   device = jax.devices()[0]
   record["versions"]["jaxlib"] = importlib.metadata.version("jaxlib")
   for dist in importlib.metadata.distributions():
@@ -162,15 +160,15 @@ def compiled_section(
   the H100's figures, its ratios beside."""
   workload = workloads_lib.mlp(*((256, 2) if quick else (2048, 4)), 8, 4)
   paths = {}
-  for name, (step, state, batch) in compiled_lib.steps(workload).items():
+  for name, (step, state, batch) in compiled_steps.steps(workload).items():
     program = compile_step(step, workload.params, state, batch)
-    paths[name] = compiled_lib.audit(program)
+    paths[name] = compiled_steps.audit(program)
     paths[name]["window_sides"] = testing.window_sides(program)
-  ratios = compiled_lib.ratios(paths)
+  ratios = compiled_steps.ratios(paths)
   if h100:
     for row, theirs in zip(ratios, h100["ratios"], strict=True):
       row["h100_ratio"] = theirs["ratio"]
-  windows = compiled_lib.windows(paths, workload.every_k)
+  windows = compiled_steps.windows(paths, workload.every_k)
   return {
     "workload": workload.description,
     "paths": paths,
@@ -182,8 +180,8 @@ def compiled_section(
 def compiled_lines(record: Record, compiled_for: str) -> list[str]:
   paths, ratios = record["paths"], record["ratios"]
   lines = [record["workload"], ""]
-  lines += [compiled_lib.tables(paths, ratios, compiled_for), ""]
-  lines += [compiled_lib.windows_table(record["windows"], compiled_for), ""]
+  lines += [compiled_steps.tables(paths, ratios, compiled_for), ""]
+  lines += [compiled_steps.windows_table(record["windows"], compiled_for), ""]
   sides = [
     {"step": name, **path["window_sides"]} for name, path in paths.items()
   ]
@@ -215,14 +213,14 @@ def step_time_section(quick: bool, repeats: int) -> Record:
   """benchmarks/run.py's medians, over plain Adam's and MultiSteps'."""
   records = {}
   for workload in time_workloads(quick):
-    record = run_lib._measure_workload(workload, repeats, WARMUP)
+    record = timing.measure_workload(workload, repeats, WARMUP)
     found = record["contenders"]
     plain, multi = found["plain Adam step"], found["optax.MultiSteps"]
     record["ratios"] = [
       {"contender": name, **over_references(found[name], plain, multi)}
       for name in STEP_ROWS
     ]
-    record["figures"] = run_lib._figures(workload.name, record)
+    record["figures"] = timing.figures(workload.name, record)
     records[workload.name] = record
   return records
 
@@ -245,7 +243,7 @@ def in_step_section(quick: bool, repeats: int) -> Record:
         ga_optax.microbatched_value_and_grad(loss_fn, k)
       ),
       "hand-written lax.scan": jax.jit(
-        compiled_lib.hand_written_scan(loss_fn, k)
+        compiled_steps.hand_written_scan(loss_fn, k)
       ),
     }
     calls: dict[str, list[float]] = {name: [] for name in windows}
@@ -268,7 +266,7 @@ def in_step_section(quick: bool, repeats: int) -> Record:
 
 
 def host_workloads(quick: bool) -> dict[str, workloads_lib.Workload]:
-  found = host_lib._workloads(quick)
+  found = host_offload.workloads(quick)
   return {"reference": found["reference"]} if quick else found
 
 
@@ -279,8 +277,8 @@ def host_memory_section(quick: bool, repeats: int) -> Record:
     raise Skipped(f"the device offers no pinned_host memory, only {kinds}")
   records = {}
   for name, workload in host_workloads(quick).items():
-    records[name] = host_lib._measure(workload, repeats, WARMUP)
-    records[name]["figures"] = host_lib._figures(records[name])
+    records[name] = host_offload.measure(workload, repeats, WARMUP)
+    records[name]["figures"] = host_offload.figures(records[name])
   return records
 
 
@@ -290,8 +288,8 @@ def peak_memory_section(quick: bool) -> Record:
     raise Skipped(f"the {jax.default_backend()} backend has no memory_stats()")
   return {
     name: [
-      {"configuration": config.name, **host_lib._peak_of(name, index, quick)}
-      for index, config in enumerate(host_lib.CONFIGS)
+      {"configuration": config.name, **host_offload.peak_of(name, index, quick)}
+      for index, config in enumerate(host_offload.CONFIGS)
     ]
     for name in host_workloads(quick)
   }
@@ -328,10 +326,10 @@ def sections(args: argparse.Namespace, report: Record) -> list[Section]:
             lambda records: per_workload(
               {name: record["figures"] for name, record in records.items()})),
     Section("largest_batch", here,
-            lambda: largest_lib.measure(*largest_lib.budget(
+            lambda: batch_fit.measure(*batch_fit.budget(
               args.memory_budget_mib, args.memory_fraction, quick), quick),
             lambda record: table(record["largest"],
-                                 largest_lib.caption(record))),
+                                 batch_fit.caption(record))),
     Section("peak_memory", here, lambda: peak_memory_section(quick),
             per_workload),
   ]  # fmt: skip

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import jax  # noqa: E402
 
-from benchmarks import compiled as compiled_lib  # noqa: E402
+from benchmarks import compiled_steps  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
 
 SIZES = workloads_lib.MLP_SIZES
@@ -91,7 +91,7 @@ def contenders(
   workload: workloads_lib.Workload,
 ) -> dict[str, tuple[Callable[..., Any], Any]]:
   """Each contender as ``(step, state)``; a step maps (params, state, batch)."""
-  steps = compiled_lib.steps(workload)
+  steps = compiled_steps.steps(workload)
   return {name: steps[name][:2] for name in STEPS}
 
 
@@ -134,7 +134,7 @@ def measure(width: int, depth: int, rounds: int) -> list[dict[str, Any]]:
           .lower(workload.params, state, workload.microbatches[0])
           .compile()
         )
-      audit = compiled_lib.audit(compiled)["micro_step"]
+      audit = compiled_steps.audit(compiled)["micro_step"]
       rows.append(
         {
           "mlp": f"{depth} x {width}^2",

@@ -30,10 +30,10 @@ import pytest
 
 import ga_optax
 from benchmarks import (
-  compiled,
+  batch_fit,
+  compiled_steps,
   cond_window,
   contenders,
-  largest_batch,
   window_time,
   workloads,
 )
@@ -61,10 +61,10 @@ COMPILED_STEPS = {
   "ga_optax.accumulate_and_apply",
   "ga_optax.microbatched_value_and_grad",
   "hand-written lax.scan",
-  compiled.FLOOR,
-  compiled.HOST_FIRST_STEP,
-  compiled.HOST_MICRO_STEP,
-  compiled.HOST_CLOSING_STEP,
+  compiled_steps.FLOOR,
+  compiled_steps.HOST_FIRST_STEP,
+  compiled_steps.HOST_MICRO_STEP,
+  compiled_steps.HOST_CLOSING_STEP,
 }
 # The steps built on accumulate: each holds both sides of the window.
 WINDOWS = {
@@ -168,7 +168,7 @@ def check_compiled_program(results, keeps_open_in_a_loop):
       assert (sides["keep_open"] >= 1) == keeps_open_in_a_loop, name
     else:
       assert sides == {"keep_open": 0, "close_window": 0}, name
-  assert len(results["ratios"]) == len(compiled.TARGETS)
+  assert len(results["ratios"]) == len(compiled_steps.TARGETS)
   for row in results["ratios"]:
     assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
     assert row["met"] == (row["ratio"] <= row["target"]), row
@@ -180,7 +180,7 @@ def check_this_backends_compiled_program_beside_the_h100s(report):
   check_compiled_program(
     here["results"], keeps_open_in_a_loop=jax.default_backend() != "cpu"
   )
-  missing = {"ratios": [{}] * len(compiled.TARGETS)}
+  missing = {"ratios": [{}] * len(compiled_steps.TARGETS)}
   h100 = report["compiled_h100"].get("results", missing)
   ratios = zip(here["results"]["ratios"], h100["ratios"], strict=True)
   for row, theirs in ratios:
@@ -371,7 +371,7 @@ def test_largest_fitting_brackets_the_budget_to_one_percent(
     calls.append(rows)
     return bytes_at(rows)
 
-  found = largest_batch.largest_fitting(counted, budget, max_rows=2**22)
+  found = batch_fit.largest_fitting(counted, budget, max_rows=2**22)
   rows, next_rows = found["rows"], found["next_rows"]
   assert found["bytes"] == bytes_at(rows) <= budget
   assert found["next_bytes"] == bytes_at(next_rows) > budget
@@ -380,7 +380,7 @@ def test_largest_fitting_brackets_the_budget_to_one_percent(
 
 
 def test_largest_fitting_reports_when_nothing_or_everything_fits():
-  largest_fitting = largest_batch.largest_fitting
+  largest_fitting = batch_fit.largest_fitting
   nothing = largest_fitting(lambda rows: 100 * rows, 10, max_rows=64)
   assert nothing["rows"] is None
   assert nothing["next_rows"] == 1 and nothing["next_bytes"] == 100

@@ -18,8 +18,7 @@ import optax
 import pytest
 from gpu_compiler import compiled_for_gpu
 
-from benchmarks import compiled as compiled_lib
-from benchmarks import host_scheduled
+from benchmarks import compiled_steps, host_scheduled
 from benchmarks import workloads as workloads_lib
 from ga_optax import testing
 
@@ -168,13 +167,13 @@ def test_compiled_for_an_h100_it_moves_the_floor_and_holds_no_loop():
   compiles it: the micro-step at most 1.05x the floor's bytes, the closing
   step at most 1.35x a plain Adam step's, neither with control flow."""
   workload = workloads_lib.mlp(1024, 4, 8, 4)
-  steps = compiled_lib.steps(workload)
+  steps = compiled_steps.steps(workload)
   moved, copied = {}, {}
   for name in (
-    compiled_lib.FLOOR,
-    compiled_lib.HOST_FIRST_STEP,
-    compiled_lib.HOST_MICRO_STEP,
-    compiled_lib.HOST_CLOSING_STEP,
+    compiled_steps.FLOOR,
+    compiled_steps.HOST_FIRST_STEP,
+    compiled_steps.HOST_MICRO_STEP,
+    compiled_steps.HOST_CLOSING_STEP,
     "plain Adam",
     "ga_optax.accumulate",
   ):
@@ -182,22 +181,22 @@ def test_compiled_for_an_h100_it_moves_the_floor_and_holds_no_loop():
     program = compiled_for_gpu(
       step, workload.params, state, batch, donate_argnums=(0, 1)
     )
-    audit = compiled_lib.audit(program)["micro_step"]
+    audit = compiled_steps.audit(program)["micro_step"]
     moved[name] = audit["moved_mib"]
     copied[name] = audit["copies_of_1_mib_or_more"]
     if name.startswith("host-scheduled"):
       text = program.as_text()
       assert " while(" not in text and " conditional(" not in text, name
-  floor = moved[compiled_lib.FLOOR]
-  assert floor <= moved[compiled_lib.HOST_MICRO_STEP] <= 1.05 * floor, moved
-  assert moved[compiled_lib.HOST_FIRST_STEP] < floor, moved
-  closing = moved[compiled_lib.HOST_CLOSING_STEP]
+  floor = moved[compiled_steps.FLOOR]
+  assert floor <= moved[compiled_steps.HOST_MICRO_STEP] <= 1.05 * floor, moved
+  assert moved[compiled_steps.HOST_FIRST_STEP] < floor, moved
+  closing = moved[compiled_steps.HOST_CLOSING_STEP]
   assert closing <= 1.35 * moved["plain Adam"], moved
   # A micro-step copies nothing of 1 MiB or more (its weight sum, a scalar,
   # may be copied); the closing step no more than Adam does.
-  assert copied[compiled_lib.HOST_FIRST_STEP] == 0, copied
-  assert copied[compiled_lib.HOST_MICRO_STEP] == 0, copied
-  assert copied[compiled_lib.HOST_CLOSING_STEP] <= copied["plain Adam"]
+  assert copied[compiled_steps.HOST_FIRST_STEP] == 0, copied
+  assert copied[compiled_steps.HOST_MICRO_STEP] == 0, copied
+  assert copied[compiled_steps.HOST_CLOSING_STEP] <= copied["plain Adam"]
   # The control: ga_optax.accumulate's micro-step is far above the floor
   # (2.24x on this MLP), which a floor that lost its work would hide.
   assert moved["ga_optax.accumulate"] > 1.5 * floor, moved

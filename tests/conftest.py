@@ -21,16 +21,19 @@ JAX's CUDA plugin installed (CI installs it for XLA:GPU, which compiles the
 GPU-program tests for compile-only H100s), a machine without a GPU needs it:
 the plugin fails to start there and compiles nothing.
 
+A test that needs more devices than one says how many with
+``@pytest.mark.devices(n)`` (a whole module: ``pytestmark``); where JAX's
+default backend has fewer, the test is reported skipped, with the counts,
+before it runs.
+
 On a machine with a GPU, ``JAX_PLATFORMS=cuda,cpu`` runs the single-device
 tests on the GPU and keeps the 8 CPU devices for the tests that build their
-arguments on a CPU mesh. A test whose mesh asks the default backend for more
-devices than it has (8 on one GPU) is reported skipped, with the counts, not
-failed: the multi-device checks are the CPU run's. There, float32 matrix
-products run at full precision, as on the CPU.
+arguments on a CPU mesh. The tests marked as needing 8 devices are skipped
+there (one GPU): the multi-device checks are the CPU run's. There, float32
+matrix products run at full precision, as on the CPU.
 """
 
 import os
-import re
 
 DEVICES = 8
 
@@ -51,25 +54,22 @@ if jax.default_backend() != "cpu" and not os.environ.get(
 ):
   jax.config.update("jax_default_matmul_precision", "highest")
 
-# What jax.make_mesh raises when a mesh is larger than the devices at hand.
-TOO_FEW_DEVICES = re.compile(r"Number of devices \d+ must be >= the product")
+
+def pytest_configure(config):
+  config.addinivalue_line(
+    "markers",
+    "devices(n): the test needs n devices of JAX's default backend; with"
+    " fewer, it is skipped",
+  )
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-  outcome = yield
-  report = outcome.get_result()
-  excinfo = call.excinfo
-  if (
-    excinfo is not None
-    and jax.device_count() < DEVICES
-    and excinfo.errisinstance(ValueError)
-    and TOO_FEW_DEVICES.search(str(excinfo.value))
-  ):
-    report.outcome = "skipped"
-    report.longrepr = (
-      str(item.path),
-      item.location[1] or 0,
-      f"Skipped: needs {DEVICES} devices; the {jax.default_backend()} backend"
-      f" has {jax.device_count()}",
+def pytest_runtest_setup(item):
+  needed = max(
+    (marker.args[0] for marker in item.iter_markers(name="devices")),
+    default=1,
+  )
+  if jax.device_count() < needed:
+    pytest.skip(
+      f"needs {needed} devices; the {jax.default_backend()} backend has"
+      f" {jax.device_count()}"
     )

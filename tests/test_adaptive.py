@@ -370,6 +370,7 @@ def test_factor_and_max_k_at_the_int32_limit_do_not_wrap():
 # of its own weight, and every device decides the same k.
 
 
+@pytest.mark.devices(DEVICES)
 def test_every_device_decides_the_same_k_inside_shard_map():
   mesh = jax.make_mesh((DEVICES,), ("data",))
   rng = np.random.default_rng(3)
@@ -430,6 +431,7 @@ def test_every_device_decides_the_same_k_inside_shard_map():
     np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("host", [False, True], ids=["device", "host_memory"])
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply"])
 @pytest.mark.parametrize("zero", [False, True], ids=["unreduced", "zero1"])

@@ -128,6 +128,7 @@ def test_resuming_in_this_process_matches_too(saved_run):
     chex.assert_trees_all_equal(wrong, reference)
 
 
+@pytest.mark.devices(8)
 def test_data_parallel_checkpoints_resume_only_from_window_boundaries(
   tmp_path: pathlib.Path,
 ):

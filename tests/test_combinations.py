@@ -67,9 +67,7 @@ CHECKPOINT_AFTER = 8
 ZERO_WEIGHT_STEP, ZERO_WEIGHT_DEVICE = 7, 0
 NOISE_DECAY = 0.5
 
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < DEVICES, reason="needs 8 (simulated) devices"
-)
+pytestmark = pytest.mark.devices(DEVICES)
 
 
 def micro_batches() -> list[dict[str, np.ndarray]]:

@@ -87,6 +87,7 @@ def test_the_optimizer_runs_only_on_the_closing_side(make):
   assert closing.bytes_moved - micro_step.bytes_moved >= 2 * state_bytes
 
 
+@pytest.mark.devices(8)
 def test_a_zero1_micro_step_exchanges_scalars_only():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   with jax.set_mesh(mesh):

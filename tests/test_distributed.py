@@ -12,10 +12,12 @@ import re
 from pathlib import Path
 
 import jax
+import pytest
 
 PAGE = Path(__file__).resolve().parent.parent / "docs/how-to/data-parallel.md"
 
 
+@pytest.mark.devices(8)
 def test_data_parallel_how_to_runs(capsys):
   source = "\n".join(re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S))
   # The page sets its mesh with a global jax.set_mesh; the enclosing

@@ -118,6 +118,7 @@ def test_plain_pytrees_keep_their_structure():
   _assert_close(actual, expected)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("path", ["microbatched", "unreduced"])
 def test_an_equinox_model_on_eight_devices(path):
   batch = _batch(size=32)

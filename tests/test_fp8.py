@@ -261,6 +261,7 @@ def test_share_of_the_window_loss_is_the_large_batch(op_name):
     assert_close(state.params["params"], large.params["params"], atol=1e-6)
 
 
+@pytest.mark.devices(8)
 def test_share_windows_across_devices_in_shard_map():
   # Windows of 2 x 16 rows, 2 rows a device on 8 devices, inside shard_map:
   # with axis_name the fp8 state a window leaves combines every device's
@@ -310,6 +311,7 @@ def test_share_windows_across_devices_in_shard_map():
     assert any(float(own[k][0]) < float(whole[k][0]) for k in whole)
 
 
+@pytest.mark.devices(8)
 def test_mean_windows_across_devices_in_shard_map():
   # The mean recipe on 8 devices: 2 micro-batches of 16 rows, 2 rows a
   # device each, each device's loss the mean over its 2 rows (weight 2).
@@ -821,6 +823,7 @@ def test_microbatched_value_and_grad_combines_the_fp8_state(op_name):
   assert all(float(leaf[0]) > 0 for leaf in history.values())
 
 
+@pytest.mark.devices(8)
 def test_microbatched_value_and_grad_combines_fp8_state_across_devices():
   model = Mlp()
   variables = warm_variables("Fp8DirectDotGeneralOp")
@@ -851,6 +854,7 @@ def test_microbatched_value_and_grad_combines_fp8_state_across_devices():
     assert_in_step_like_the_large_batch(grads, expected)
 
 
+@pytest.mark.devices(8)
 def test_unreduced_value_and_grad_refuses_fp8_state():
   model = Mlp()
   variables = model.init(jax.random.key(0), jnp.zeros((1, FEATURES)))

@@ -344,6 +344,7 @@ def compiled(case: str, options: str = "recipe") -> tuple[Any, tuple]:
   return waits, args
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("case", sorted(EXPLICIT_CASES))
 def test_eight_gpus_under_plain_jit(case):
   waits, args = compiled(case)
@@ -355,6 +356,7 @@ def test_eight_gpus_under_plain_jit(case):
   )
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("case", sorted(SHARD_MAP_CASES))
 def test_eight_gpus_under_shard_map(case):
   waits, args = compiled(case)
@@ -382,7 +384,16 @@ def test_eight_gpus_under_shard_map(case):
 DEFAULT_CONTROLS = ("adam", "unreduced", "shard_map_update_check_vma_False")
 
 
-@pytest.mark.parametrize("case", DEFAULT_CONTROLS)
+@pytest.mark.parametrize(
+  "case",
+  [
+    DEFAULT_CONTROLS[0],
+    *(
+      pytest.param(case, marks=pytest.mark.devices(DEVICES))
+      for case in DEFAULT_CONTROLS[1:]
+    ),
+  ],
+)
 def test_under_xla_defaults_the_host_drives_each_side(case):
   default, _ = compiled(case, "default")
   recipe, _ = compiled(case, "recipe")
@@ -400,6 +411,7 @@ def test_under_xla_defaults_the_host_drives_each_side(case):
   assert default.closing == 1 + 2 * closing_sides
 
 
+@pytest.mark.devices(DEVICES)
 def test_without_collectives_the_closing_side_stays_on_the_host():
   """On 8 GPUs the window's reduction sits in the closing side's loop."""
   waits, _ = compiled("unreduced", "without_collectives")

@@ -183,6 +183,7 @@ def test_one_device(name):
   )
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("name", ["time_major", "shared_leaf", "shared_key"])
 def test_inside_shard_map(name):
   case = CASES[name]
@@ -210,6 +211,7 @@ def test_inside_shard_map(name):
   _check_no_gather_and_no_collective_in_the_scan(step, _params(), batch)
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 @pytest.mark.parametrize(
   # Negative axes are read before any device is involved: one device tests
@@ -238,6 +240,7 @@ def test_plain_jit_on_a_mesh(name, axis_type):
     _check_no_gather_and_no_collective_in_the_scan(step, _params(), batch)
 
 
+@pytest.mark.devices(DEVICES)
 def test_unreduced_value_and_grad_with_in_axes():
   name = "shared_leaf"
   case = CASES[name]
@@ -261,6 +264,7 @@ def _rows_loss(params, batch):
   return loss, {"y_sum": jnp.sum(batch["y"])}
 
 
+@pytest.mark.devices(DEVICES)
 def test_aux_is_stacked_device_major_on_a_mesh():
   # Entry d * k + i: micro-batch i (entries i::k) of device d's share.
   mesh = jax.make_mesh((DEVICES,), ("data",))
@@ -331,6 +335,7 @@ def _count(microbatch):
   return jnp.sum(microbatch["mask"])
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("path", ["microbatched", "unreduced"])
 def test_a_mask_made_in_the_step_is_split_like_the_batch(path):
   batch = _masked_batch()
@@ -358,6 +363,7 @@ def test_a_mask_made_in_the_step_is_split_like_the_batch(path):
   _assert_close(result, expected)
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_a_replicated_batch_with_the_axes_named_is_split_over_them(axis_type):
   batch = _masked_batch()
@@ -387,6 +393,7 @@ def _row_major_masked_loss(params, batch):
   return jnp.sum(errors * batch["mask"]) / jnp.sum(batch["mask"])
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize(
   "case", ["mask_made_in_step", "replicated_named", "replicated_unreduced"]
 )
@@ -484,6 +491,7 @@ def test_a_size_not_divisible_along_the_axis_names_in_axes_and_the_leaf():
     value_and_grad(jnp.ones(()), _simple_batch())
 
 
+@pytest.mark.devices(DEVICES)
 def test_a_sharded_batch_names_its_global_size_and_each_devices_share():
   # 64 entries on 8 devices: 8 each, which 3 micro-batches cannot split.
   mesh = jax.make_mesh((DEVICES,), ("data",))
@@ -501,6 +509,7 @@ def test_a_sharded_batch_names_its_global_size_and_each_devices_share():
       jax.jit(value_and_grad)(jnp.ones(()), batch)
 
 
+@pytest.mark.devices(DEVICES)
 def test_a_batch_the_devices_cannot_share_is_named():
   mesh = jax.make_mesh((DEVICES,), ("data",))
   value_and_grad = ga_optax.microbatched_value_and_grad(
@@ -516,6 +525,7 @@ def test_a_batch_the_devices_cannot_share_is_named():
     jax.jit(value_and_grad)(jnp.ones(()), batch)
 
 
+@pytest.mark.devices(DEVICES)
 def test_inside_shard_map_the_error_names_each_devices_share():
   mesh = jax.make_mesh((DEVICES,), ("data",))
   value_and_grad = ga_optax.microbatched_value_and_grad(

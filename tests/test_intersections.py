@@ -36,9 +36,7 @@ from ga_optax import testing
 from ga_optax._src.placements import residency
 
 DEVICES = 8
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < DEVICES, reason="needs 8 (simulated) devices"
-)
+pytestmark = pytest.mark.devices(DEVICES)
 
 
 def mesh() -> jax.sharding.Mesh:

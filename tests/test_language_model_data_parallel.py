@@ -48,9 +48,7 @@ TOLERANCE = {"rtol": 2e-5, "atol": 2e-6}
 
 Batch = dict[str, np.ndarray]
 
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < DEVICES, reason="needs 8 (simulated) devices"
-)
+pytestmark = pytest.mark.devices(DEVICES)
 
 
 def init_params() -> dict[str, np.ndarray]:

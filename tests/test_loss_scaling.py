@@ -385,6 +385,7 @@ def test_shard_map_every_device_drops_the_window():
   assert_close(final, reference.params, **TOLERANCE["float16"])
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
 def test_unreduced_axes_every_device_drops_the_window(zero):
   windows = make_windows(

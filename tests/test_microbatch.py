@@ -465,9 +465,7 @@ def test_rng_differs_across_devices_of_the_axis():
   chex.assert_trees_all_equal(masks, expected)
 
 
-@pytest.mark.skipif(
-  jax.device_count() < 8, reason="needs 8 (simulated) devices"
-)
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
   ("path", "num_microbatches"), [("microbatched", 2), ("unreduced", 1)]
 )
@@ -589,6 +587,7 @@ def _assert_finite_and_close(actual, expected):
   chex.assert_trees_all_close(actual, expected, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.devices(8)
 def test_a_constant_scan_carry_runs_on_auto_axes_as_jax_runs_it():
   loss = _rnn_loss("none")
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
@@ -605,6 +604,7 @@ def test_a_constant_scan_carry_runs_on_auto_axes_as_jax_runs_it():
   )
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("carry_sharding", ["none", "from_input"])
 @pytest.mark.parametrize("path", ["microbatched", "unreduced"])
 def test_a_constant_scan_carry_on_explicit_axes(path, carry_sharding):

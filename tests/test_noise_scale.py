@@ -238,16 +238,11 @@ def test_bad_configuration_names_the_argument(kwargs, error, match):
     ga_optax.accumulate(optax.sgd(0.1), 2, **kwargs)
 
 
-needs_8_devices = pytest.mark.skipif(
-  jax.device_count() < DEVICES, reason="needs 8 (simulated) devices"
-)
-
-
 def mesh() -> jax.sharding.Mesh:
   return jax.make_mesh((DEVICES,), ("data",))
 
 
-@needs_8_devices
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_shard_map_counts_every_device_micro_gradient(check_vma):
   rng = np.random.default_rng(1)
@@ -306,7 +301,7 @@ def test_shard_map_counts_every_device_micro_gradient(check_vma):
   assert_estimate(state, grad_sq, trace, measured)
 
 
-@needs_8_devices
+@pytest.mark.devices(DEVICES)
 def test_unreduced_partial_sums_are_micro_gradients_of_equal_weight():
   rng = np.random.default_rng(2)
   k, windows_count = 2, 3
@@ -380,7 +375,7 @@ def partial_sum_micro_gradients(params, batch, devices):
   ]
 
 
-@needs_8_devices
+@pytest.mark.devices(DEVICES)
 def test_unreduced_on_two_mesh_axes_counts_each_device_partial_sum_once():
   data_devices = TWO_AXES["data"]
   windows = make_windows(TWO_AXES_LENGTHS, data_devices, TWO_AXES_ROWS, seed=3)
@@ -469,7 +464,7 @@ def test_least_squares_lands_on_the_closed_form():
   assert_near_the_truth(run(tx.init(params)), delta)
 
 
-@needs_8_devices
+@pytest.mark.devices(DEVICES)
 def test_least_squares_on_8_devices_lands_on_the_closed_form():
   rows = ROWS // 2 * DEVICES  # each device holds half a one-device micro-batch
   true_w, data = regression_data(1, WINDOWS, rows)
@@ -572,7 +567,7 @@ def test_in_step_estimates_match_numpy_and_smooth_across_steps():
   assert_estimate(averages, grad_sq, trace, measured)
 
 
-@needs_8_devices
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("layout", ["plain_jit", "shard_map"])
 def test_in_step_estimates_count_each_device_micro_batch(layout):
   params = jnp.linspace(-1.0, 1.0, DIM)

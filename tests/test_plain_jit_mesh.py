@@ -98,6 +98,7 @@ def check_audit(text: str, layout: Layout, params: Any, rows: int) -> None:
   assert after[0].operand_bytes >= per_device_bytes(params), after
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_microbatched_equals_the_token_mean(axis_type, layout):
@@ -134,6 +135,7 @@ def test_microbatched_equals_the_token_mean(axis_type, layout):
   assert_finite_and_close((value, grads), expected)
 
 
+@pytest.mark.devices(DEVICES)
 def test_microbatched_options():
   """has_aux, weight_fn, rng and remat on a sharded batch (Explicit)."""
   batch_size, k = 64, 4
@@ -206,6 +208,7 @@ def nnx_mlp(hidden: int) -> Any:
   return Mlp(nnx.Rngs(0))
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("library", ["nnx", "linen"])
 def test_flax_models(library):
   """Flax nnx Linear + LayerNorm and Linen Dense, Explicit data axis."""
@@ -251,6 +254,7 @@ def test_flax_models(library):
   assert_finite_and_close(result, expected)
 
 
+@pytest.mark.devices(DEVICES)
 def test_nnx_optimizer_holds_an_unreduced_accumulator():
   """nnx.Optimizer around accumulate(unreduced_axes=...): the large batch."""
   from flax import nnx
@@ -291,6 +295,7 @@ def test_nnx_optimizer_holds_an_unreduced_accumulator():
   assert_finite_and_close(nnx.state(model, nnx.Param), expected)
 
 
+@pytest.mark.devices(DEVICES)
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply"])
 @pytest.mark.parametrize("layout", ["data", "data x model"])
 def test_accumulate_unreduced_matches_the_large_batch(layout, fused):
@@ -329,6 +334,7 @@ def test_accumulate_unreduced_matches_the_large_batch(layout, fused):
   assert closing[0].operand_bytes == per_device_bytes(final), found
 
 
+@pytest.mark.devices(DEVICES)
 def test_accumulate_unreduced_keeps_the_state_sharded_like_the_params():
   """A stateful inner optimizer's state takes the params' model sharding."""
   inner = optax.sgd(0.3, momentum=0.5)
@@ -420,6 +426,7 @@ def test_auto_axes_accumulate_keeps_the_params_sharding():
   )
 
 
+@pytest.mark.devices(DEVICES)
 def test_mismatched_sharding_types_are_named_errors():
   """Never a ShardingTypeError: a ValueError naming the argument."""
   params = init_params()
@@ -451,6 +458,7 @@ def test_mismatched_sharding_types_are_named_errors():
       )
 
 
+@pytest.mark.devices(DEVICES)
 def test_mid_window_checkpoints_resume_here_and_on_2_devices(tmp_path):
   """Mid-window states saved with orbax, resumed here and on 2 devices."""
   windows = make_windows(LENGTHS, DEVICES, ROWS, seed=20)
@@ -497,6 +505,7 @@ def test_mid_window_checkpoints_resume_here_and_on_2_devices(tmp_path):
       assert_finite_and_close(final, expected)
 
 
+@pytest.mark.devices(DEVICES)
 def test_a_window_boundary_resumes_on_other_devices_with_another_k():
   """Saved on 8 devices with k=1, resumed on 2 with k=4."""
   global_batch = 64

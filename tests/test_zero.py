@@ -103,6 +103,7 @@ def assert_one_all_reduce_of_traffic(step: Any, params: Any) -> None:
   assert sum(c.operand_bytes for c in gathered) * DEVICES == param_bytes, found
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
   "inner, fused",
   [(SGD, False), (SGD, True)],
@@ -116,6 +117,7 @@ def test_plain_sgd_matches_the_large_batch(inner, fused):
   assert_one_all_reduce_of_traffic(step, final)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
   "inner",
   [
@@ -132,6 +134,7 @@ def test_stateful_optimizers_match_the_large_batch(inner):
   assert_state_split(state.inner_state, DEVICES)
 
 
+@pytest.mark.devices(8)
 def test_model_sharded_params_keep_their_spec():
   """The data axis shards the state along another dimension."""
   inner = optax.lion(1e-3, weight_decay=0.1)
@@ -146,6 +149,7 @@ def test_model_sharded_params_keep_their_spec():
   )  # fmt: skip
 
 
+@pytest.mark.devices(8)
 def test_a_spec_tree_places_each_leaf():
   """Each parameter's gradient and momentum take its spec."""
   inner = optax.sgd(0.3, momentum=0.5)
@@ -157,6 +161,7 @@ def test_a_spec_tree_places_each_leaf():
   assert_specs(state.inner_state[0].trace, override)
 
 
+@pytest.mark.devices(8)
 def test_clip_adamw_fused_shards_and_checkpoints(tmp_path):
   """A global norm over shards, fused: shards, HLO and checkpoints.
 
@@ -234,6 +239,7 @@ def test_clip_adamw_fused_shards_and_checkpoints(tmp_path):
   assert_finite_and_close(final, expected)
 
 
+@pytest.mark.devices(8)
 def test_the_rule_on_odd_shapes_and_a_spec_that_does_not_fit():
   mesh = LAYOUTS["data"].mesh(AxisType.Explicit)
   params = {

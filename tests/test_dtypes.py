@@ -19,6 +19,10 @@ SGD runs beside the scale-free optimizers (Adam, Lion and clipping hide a
 wrong gradient scale), each window's step is compared with a tolerance below
 the step itself (so a step not taken fails), and the "formed in float32"
 claim has windows whose sum a bfloat16 or float16 accumulator cannot hold.
+
+Complex params, last: both window paths accumulate them in their own dtype
+and step like Adam on the window's mean gradient, and micro-batching keeps
+the imaginary parts of their gradients.
 """
 
 from __future__ import annotations
@@ -546,3 +550,90 @@ def test_a_bfloat16_accumulator_gives_float32_exact_updates(use_jit):
       assert np.all(np.isfinite(got))
       np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
   assert int(ga_optax.applied_updates(state)) == NUM_WINDOWS
+
+
+# Complex parameters.
+
+
+def _assert_complex_close(actual: Any, expected: Any) -> None:
+  """Equal trees, shapes and dtypes, finite values within float32 rounding.
+
+  chex compares NaN equal to NaN; finiteness is asserted first so that two
+  NaN results never pass as equal.
+  """
+  chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
+  chex.assert_tree_all_finite(actual)
+  chex.assert_tree_all_finite(expected)
+  chex.assert_trees_all_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def _complex(shape: tuple[int, ...], seed: int) -> jax.Array:
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(
+    rng.standard_normal(shape) + 1j * rng.standard_normal(shape), jnp.complex64
+  )
+
+
+def _complex_loss(w, batch):
+  return jnp.mean(jnp.abs(batch["x"] @ w - batch["y"]) ** 2)
+
+
+def _complex_batch(seed: int) -> dict[str, jax.Array]:
+  return {"x": _complex((4, 3), seed), "y": _complex((4, 2), seed + 1)}
+
+
+@pytest.mark.parametrize("path", ["accumulate", "accumulate_and_apply"])
+def test_complex_params_accumulate_like_adam_on_the_window_mean(path):
+  every_k, num_windows = 2, 2
+  inner = optax.adam(0.1)
+  if path == "accumulate":
+    tx = ga_optax.accumulate(inner, every_k)
+    init = tx.init
+
+    def step(params, state, batch):
+      grads = jax.grad(_complex_loss)(params, batch)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+  else:
+    fused = ga_optax.accumulate_and_apply(inner, every_k)
+    init = fused.init
+
+    def step(params, state, batch):
+      grads = jax.grad(_complex_loss)(params, batch)
+      return fused.apply(params, grads, state)
+
+  step = jax.jit(step)
+  params = expected = _complex((3, 2), seed=0)
+  state, expected_state = init(params), inner.init(expected)
+  assert state.accumulator.dtype == jnp.complex64
+  for window in range(num_windows):
+    batches = [_complex_batch(100 * window + 2 * i) for i in range(every_k)]
+    for batch in batches:
+      params, state = step(params, state, batch)
+    mean_grads = sum(
+      jax.grad(_complex_loss)(expected, batch) for batch in batches
+    ) / len(batches)
+    updates, expected_state = inner.update(mean_grads, expected_state, expected)
+    expected = optax.apply_updates(expected, updates)
+    _assert_complex_close(params, expected)
+  # The imaginary parts moved too: they were not dropped along the way.
+  assert float(jnp.max(jnp.abs(params.imag - _complex((3, 2), 0).imag))) > 0.1
+
+
+@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
+def test_complex_params_microbatched_equal_value_and_grad(use_jit):
+  params = _complex((3, 2), seed=0)
+  batch = {"x": _complex((BATCH_SIZE, 3), 1), "y": _complex((BATCH_SIZE, 2), 2)}
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    _complex_loss, NUM_MICROBATCHES
+  )
+  if use_jit:
+    value_and_grad = jax.jit(value_and_grad)
+  value, grads = value_and_grad(params, batch)
+  expected_value, expected_grads = jax.value_and_grad(_complex_loss)(
+    params, batch
+  )
+  assert grads.dtype == jnp.complex64
+  assert float(jnp.max(jnp.abs(expected_grads.imag))) > 0.1
+  _assert_complex_close(grads, expected_grads)
+  _assert_complex_close(value, expected_value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import chex
 import hypothesis
@@ -634,3 +635,133 @@ def test_a_constant_scan_carry_on_explicit_axes(path, carry_sharding):
       )
     actual = jax.jit(step)(_rnn_params(), batch)
   _assert_finite_and_close(actual, expected)
+
+
+# A linear model of two outputs, its batch of BATCH rows in
+# NUM_MICROBATCHES micro-batches.
+NUM_MICROBATCHES = 4
+
+
+def _assert_close(actual: Any, expected: Any) -> None:
+  """Equal trees, shapes and dtypes, finite values within float32 rounding.
+
+  chex compares NaN equal to NaN; finiteness is asserted first so that two
+  NaN results never pass as equal.
+  """
+  chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
+  chex.assert_tree_all_finite(actual)
+  chex.assert_tree_all_finite(expected)
+  chex.assert_trees_all_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def _real(shape: tuple[int, ...], seed: int) -> jax.Array:
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape))
+
+
+def _linear_loss(params, batch):
+  prediction = batch["x"] @ params["w"] + params["b"]
+  return jnp.mean((prediction - batch["y"]) ** 2)
+
+
+def _linear_params() -> dict[str, jax.Array]:
+  return {"w": _real((3, 2), seed=0), "b": _real((2,), seed=1)}
+
+
+def _linear_batch(seed: int = 2) -> dict[str, jax.Array]:
+  return {
+    "x": _real((BATCH, 3), seed),
+    "y": _real((BATCH, 2), seed + 1),
+  }
+
+
+# A mesh of this machine's one device.
+
+
+def _mesh() -> jax.sharding.Mesh:
+  return jax.make_mesh((1,), ("data",))
+
+
+def _put(tree: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
+  # jax.make_mesh makes Explicit axes: shard_map's inputs must already be
+  # laid out as its in_specs say.
+  return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def test_explicitly_sharded_batch_without_set_mesh():
+  mesh = _mesh()
+  batch = _put(_linear_batch(), mesh, P("data"))
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    _elementwise_loss, NUM_MICROBATCHES
+  )
+  params = _linear_params()["b"]
+  try:
+    result = value_and_grad(params, batch)
+  except ValueError as error:
+    # Refusing is fine too, if the message says what to do.
+    assert "set_mesh" in str(error)
+  else:
+    _assert_close(result, jax.value_and_grad(_elementwise_loss)(params, batch))
+
+
+def _elementwise_loss(scale, batch):
+  # No contraction over the sharded batch axis in the forward or backward
+  # pass, so that plain JAX differentiates it on an Explicit mesh unset.
+  return jnp.mean((batch["y"] * scale - batch["x"][:, :2]) ** 2)
+
+
+# Weights from weight_fn.
+
+
+def _weighted_batch(weights: list[Any]) -> dict[str, jax.Array]:
+  """A batch whose micro-batch ``i`` carries weight ``weights[i]``.
+
+  Micro-batch ``i`` holds rows ``i, i + k, ...``, so row ``r`` gets the
+  weight of micro-batch ``r % k``.
+  """
+  rows = BATCH // NUM_MICROBATCHES
+  batch = _linear_batch()
+  batch["weight"] = jnp.asarray(np.tile(np.asarray(weights), rows))
+  return batch
+
+
+def _first_row_weight(microbatch):
+  return microbatch["weight"][0]
+
+
+@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
+def test_weight_fn_returning_a_bool_is_a_type_error(use_jit):
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    _linear_loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
+  )
+  if use_jit:
+    value_and_grad = jax.jit(value_and_grad)
+  batch = _weighted_batch([True, False, True, True])
+  with pytest.raises(TypeError, match="weight_fn must return a real number"):
+    # eval_shape traces without running: the error comes at trace time.
+    jax.eval_shape(value_and_grad, _linear_params(), batch)
+  with pytest.raises(TypeError, match="weight_fn must return a real number"):
+    value_and_grad(_linear_params(), batch)
+
+
+def test_nonnegative_weights_still_give_the_weighted_mean():
+  # A weight of 0 drops its micro-batch and no more (negative weights:
+  # tests/test_weights.py, one rule for both paths).
+  weights = [3.0, 0.0, 2.0, 1.0]
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    _linear_loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
+  )
+  batch = _weighted_batch(weights)
+  per_microbatch = [
+    jax.value_and_grad(_linear_loss)(
+      _linear_params(),
+      jax.tree.map(lambda x, i=i: x[i::NUM_MICROBATCHES], batch),
+    )
+    for i in range(NUM_MICROBATCHES)
+  ]
+  expected = jax.tree.map(
+    lambda *terms: (
+      sum(w * t for w, t in zip(weights, terms, strict=True)) / sum(weights)
+    ),
+    *per_microbatch,
+  )
+  _assert_close(value_and_grad(_linear_params(), batch), expected)

@@ -5,6 +5,12 @@ where the window closes. Every run is held to the one-device large batch of
 tests/token_windows.py (plain SGD, per-device token weights, windows of
 unequal weight, one closed by a flush), and the compiled step of each run to
 where its collectives are.
+
+Last, with shard_map's default check_vma=True on a small linear model:
+``microbatched_value_and_grad(axis_name=...)`` against the whole batch's
+gradient, ``accumulate(axis_name=...)`` on 1 and 8 devices against plain SGD
+on each window's mean gradient, and ``consolidate`` and ``split_total``
+refusing such a shard_map.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -337,3 +344,159 @@ def test_consolidated_on_8_devices_resumes_on_2():
   assert_finite_and_close(
     params, large_batch_reference(SGD, init_params(), windows)
   )
+
+
+# A linear model and its batch, in NUM_MICROBATCHES micro-batches.
+NUM_MICROBATCHES = 4
+BATCH_SIZE = 16
+
+
+def _assert_close(actual: Any, expected: Any) -> None:
+  """Equal trees, shapes and dtypes, finite values within float32 rounding.
+
+  chex compares NaN equal to NaN; finiteness is asserted first so that two
+  NaN results never pass as equal.
+  """
+  chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
+  chex.assert_tree_all_finite(actual)
+  chex.assert_tree_all_finite(expected)
+  chex.assert_trees_all_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def _real(shape: tuple[int, ...], seed: int) -> jax.Array:
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape))
+
+
+def _mean_loss(params, batch):
+  prediction = batch["x"] @ params["w"] + params["b"]
+  return jnp.mean((prediction - batch["y"]) ** 2)
+
+
+def _params() -> dict[str, jax.Array]:
+  return {"w": _real((3, 2), seed=0), "b": _real((2,), seed=1)}
+
+
+def _batch(seed: int = 2) -> dict[str, jax.Array]:
+  return {
+    "x": _real((BATCH_SIZE, 3), seed),
+    "y": _real((BATCH_SIZE, 2), seed + 1),
+  }
+
+
+# shard_map with check_vma=True, on a mesh of this machine's one device.
+
+
+def _mesh() -> jax.sharding.Mesh:
+  return jax.make_mesh((1,), ("data",))
+
+
+def _put(tree: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
+  # jax.make_mesh makes Explicit axes: shard_map's inputs must already be
+  # laid out as its in_specs say.
+  return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_microbatched_axis_name_inside_shard_map(check_vma):
+  mesh = _mesh()
+  params, batch = _put(_params(), mesh, P()), _put(_batch(), mesh, P("data"))
+  value_and_grad = ga_optax.microbatched_value_and_grad(
+    _mean_loss, NUM_MICROBATCHES, axis_name="data"
+  )
+  sharded = jax.jit(
+    jax.shard_map(
+      value_and_grad,
+      mesh=mesh,
+      in_specs=(P(), P("data")),
+      out_specs=(P(), P()),
+      check_vma=check_vma,
+    )
+  )
+  expected = jax.value_and_grad(_mean_loss)(_params(), _batch())
+  _assert_close(sharded(params, batch), expected)
+  without_shard_map = ga_optax.microbatched_value_and_grad(
+    _mean_loss, NUM_MICROBATCHES
+  )(_params(), _batch())
+  _assert_close(sharded(params, batch), without_shard_map)
+
+
+# Windows of micro-batches of unequal size (weight = rows), the second closed
+# by a flush: a wrong gradient scale moves plain SGD somewhere else.
+_WINDOW_ROWS = ((8, 16), (24,), (16, 8))
+
+
+@pytest.mark.parametrize(
+  "num_devices", [1, pytest.param(8, marks=pytest.mark.devices(8))]
+)
+def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
+  # With check_vma=True the gradients of unvarying params arrive summed over
+  # the devices by autodiff; the window must sum only the weights.
+  mesh = jax.make_mesh(
+    (num_devices,), ("data",), devices=jax.devices()[:num_devices]
+  )
+  optimizer = optax.sgd(0.5)
+  tx = ga_optax.accumulate(optimizer, 2, axis_name="data")
+
+  def step(params, state, x, y, flush):
+    grads = jax.grad(_mean_loss)(params, {"x": x, "y": y})
+    # Each device's rows: the same number on every device.
+    updates, state = tx.update(
+      grads, state, params, weight=x.shape[0], flush=flush
+    )
+    return optax.apply_updates(params, updates), state
+
+  sharded_step = jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P(), P(), P("data"), P("data"), P()),
+      out_specs=(P(), P()),
+      check_vma=True,
+    )
+  )
+  params = _put(_params(), mesh, P())
+  state = _put(tx.init(_params()), mesh, P())
+  expected, expected_state = _params(), optimizer.init(_params())
+  rng = np.random.default_rng(7)
+  for window in _WINDOW_ROWS:
+    batches = [
+      {
+        "x": jnp.asarray(rng.standard_normal((rows, 3)), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((rows, 2)), jnp.float32),
+      }
+      for rows in window
+    ]
+    for index, batch in enumerate(batches):
+      closes = index == len(window) - 1
+      params, state = sharded_step(
+        params,
+        state,
+        *_put((batch["x"], batch["y"]), mesh, P("data")),
+        jnp.bool_(closes and len(window) < 2),
+      )
+      assert bool(ga_optax.emitted(state)) == closes
+    # The reference: the gradient of the window's mean loss, bare SGD.
+    whole = jax.tree.map(lambda *rows: jnp.concatenate(rows), *batches)
+    updates, expected_state = optimizer.update(
+      jax.grad(_mean_loss)(expected, whole), expected_state
+    )
+    expected = optax.apply_updates(expected, updates)
+  _assert_close(params, expected)
+  assert int(ga_optax.applied_updates(state)) == len(_WINDOW_ROWS)
+
+
+@pytest.mark.parametrize(
+  "combine", [ga_optax.consolidate, ga_optax.split_total]
+)
+def test_partial_sum_helpers_refuse_a_shard_map_that_checks_variance(combine):
+  # With check_vma=True the window holds gradients already summed over the
+  # devices: combining them as partial sums would scale them wrongly.
+  tx = ga_optax.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  params = jnp.zeros(3)
+
+  def step(state):
+    return combine(state, axis_name="data")
+
+  mapped = jax.shard_map(step, mesh=_mesh(), in_specs=P(), out_specs=P())
+  with pytest.raises(ValueError, match="check_vma=False"):
+    jax.jit(mapped)(tx.init(params))

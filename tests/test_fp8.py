@@ -377,7 +377,7 @@ def test_fp8_state_given_as_gradients_is_refused_with_the_recipe(path):
 def test_accumulate_gives_the_fp8_window_its_reduction():
   tx = ga_optax.accumulate(optax.sgd(0.1), 2, reduction="sum")
   window = find_state(tx.init(warm_variables("Fp8DirectDotGeneralOp")))
-  assert window.overwrite.reduction == "sum"
+  assert window.fp8_window.reduction == "sum"
 
 
 # The mean recipe (the contract's weighted mean of mean losses).

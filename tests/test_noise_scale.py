@@ -218,7 +218,8 @@ def test_without_a_decay_the_state_holds_nothing_more():
   extra = len(jax.tree.leaves(measured.init(params))) - len(
     jax.tree.leaves(state)
   )
-  assert extra == 6
+  # Three sums of the open window (sum w |g|^2, K, W), four averages.
+  assert extra == 7
   with pytest.raises(ValueError, match="noise_scale_decay"):
     ga_optax.noise_scale(state)
 

@@ -32,9 +32,9 @@ A micro-batch of weight 0 (padding only) counts in the forward histories,
 since the large batch quantises its rows too, and not in the
 output-gradient ones, where its ``0 / 0`` loss gives NaN.
 
-:func:`micro_step` drives this from outside the window, for
-:func:`ga_optax.apply_gradients`; :func:`combine`, :func:`close` and
-:func:`across_devices` are what an in-step ``lax.scan`` calls.
+As a part of the window algebra (:class:`Fp8Part`, combined across devices
+by a max), the in-step scan drives it, and so does
+:func:`ga_optax.apply_gradients` from outside ``accumulate``'s window.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ga_optax._src.window.state import AccumulateState
+from ga_optax._src.algebra import parts, weights
 
 # Flax's name for the collection (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT),
 # spelled here so that Flax stays an optional dependency.
@@ -294,7 +294,9 @@ def combine(
       # history, the same for every micro-batch, and is not scaled. A
       # select, not a product: 0 * NaN is NaN.
       factor = jnp.asarray(weight, running.dtype)
-      scaled = jnp.where(factor > 0, factor * new[0], jnp.zeros_like(new[0]))
+      scaled = jnp.where(
+        weights.counts(factor), factor * new[0], jnp.zeros_like(new[0])
+      )
       combined = new.at[0].set(jnp.maximum(kept[0], scaled))
     else:
       combined = new
@@ -339,9 +341,9 @@ def close(window: Fp8Window, start: Any, weight_sum: Any) -> Any:
   """
   check_like(window, start, "start")
   weight_sum = jnp.asarray(weight_sum)
-  has_weight = weight_sum > 0
-  # The guard keeps an empty window from computing 0 / 0; it keeps start.
-  divisor = jnp.where(has_weight, weight_sum, jnp.ones_like(weight_sum))
+  # An empty window keeps start.
+  has_weight = weights.has_weight(weight_sum)
+  divisor = weights.divisor(weight_sum)
 
   def close_leaf(path: tuple[Any, ...], combined: Any, old: Any) -> Any:
     if kind_of(path) is Kind.GRADIENT_HISTORY and window.reduction == "mean":
@@ -353,86 +355,37 @@ def close(window: Fp8Window, start: Any, weight_sum: Any) -> Any:
   return jax.tree_util.tree_map_with_path(close_leaf, window.combined, start)
 
 
-def across_devices(window: Fp8Window, axis_name: Any) -> Fp8Window:
-  """The combination over every device of ``axis_name``, on each of them.
+@dataclasses.dataclass(frozen=True)
+class Fp8Part:
+  """The float8 state as a part of the window algebra (:mod:`.parts`).
 
-  Every entry combines by a max (the scales and the old histories are the
-  same on every device), so one ``pmax`` of the small state does it. Call
-  it inside ``jax.shard_map`` (or ``pmap``) once per window, before
-  :func:`close` with the window's weight summed over the same axes.
+  Its value is an :class:`Fp8Window`; each micro-batch's new float8 state is
+  combined in (:func:`combine`), devices combine by a max, and the close is
+  the large batch's new state (:func:`close`).
 
-  Args:
-    window: this device's running combination.
-    axis_name: the data-parallel axes (a name or a tuple of names).
-
-  Returns:
-    The combination of all devices' micro-batches.
+  Attributes:
+    start: the float8 state at the start of the window.
+    reduction: the window's reduction, ``"mean"`` or ``"sum"``.
+    scaled_to_share: each micro-batch's loss was scaled to its share of the
+      window's (the in-step scan does so, so that each backward pass
+      quantises as the large batch's): its output-gradient amax is then
+      weighed already, and counts with factor 1.
   """
-  return dataclasses.replace(
-    window, combined=jax.lax.pmax(window.combined, axis_name)
-  )
 
+  start: Any
+  reduction: str = "mean"
+  scaled_to_share: bool = False
+  combine: parts.Combine = "max"
 
-def micro_step(
-  before: AccumulateState,
-  after: AccumulateState,
-  start: Any,
-  latest: Any,
-  weight: Any,
-  axis_name: Any = None,
-) -> tuple[Fp8Window, Any]:
-  """One ``update`` call's effect on the float8 state, read off the window.
+  def zero(self) -> Fp8Window | None:
+    return init_window(self.start, self.reduction)
 
-  Args:
-    before: the accumulation's state before the call; its ``overwrite``
-      is the running combination.
-    after: its state after the call.
-    start: the float8 state at the start of the window (what the micro-batch
-      computed with).
-    latest: the micro-batch's new float8 state.
-    weight: the call's ``weight=``.
-    axis_name: inside ``jax.shard_map``, the data-parallel axes: the state
-      a closing window leaves combines every device's micro-batches (a
-      ``pmax`` of the combination, a few amax histories, and a ``psum`` of
-      the weight, on every call).
+  def add(self, window: Fp8Window, micro_batch: parts.MicroBatch) -> Any:
+    _, latest = split_variables(micro_batch.grads)
+    factor = micro_batch.weight
+    if self.scaled_to_share:
+      factor = micro_batch.counts.astype(jnp.float32)
+    return combine(window, latest, factor, contributes=micro_batch.kept)
 
-  Returns:
-    ``(window, fp8_state)``: the running combination to keep in the state,
-    and the float8 state after the call: the large batch's new state when
-    the call closed a window that applied an update, ``start`` otherwise (a
-    micro-step, or a window that closed empty).
-  """
-  # A micro-step dropped by skip_nonfinite is counted in num_skipped (which
-  # saturates only after 2**31 - 1 drops).
-  accepted = after.num_skipped == before.num_skipped
-  weight = jnp.asarray(weight, before.weight_sum.dtype)
-  window = combine(
-    before.overwrite,
-    latest,
-    weight,
-    contributes=accepted,
-    restart=before.micro_step == 0,
-  )
-  weight_sum = before.weight_sum + jnp.where(accepted, weight, 0)
-  everywhere = window
-  if axis_name is not None:
-    everywhere = across_devices(window, axis_name)
-    weight_sum = jax.lax.psum(weight_sum, axis_name)
-  closed = close(everywhere, start, weight_sum)
-  fp8_state = jax.tree.map(
-    lambda new, old: jnp.where(after.emitted, new, old), closed, start
-  )
-  return window, fp8_state
-
-
-def with_window(opt_state: Any, window: Fp8Window) -> Any:
-  """``opt_state`` with its :class:`AccumulateState`'s window replaced."""
-
-  def is_state(node: Any) -> bool:
-    return isinstance(node, AccumulateState)
-
-  return jax.tree.map(
-    lambda node: node._replace(overwrite=window) if is_state(node) else node,
-    opt_state,
-    is_leaf=is_state,
-  )
+  def close(self, window: Fp8Window, closing: parts.Closing) -> Any:
+    return close(window, self.start, closing.weight)

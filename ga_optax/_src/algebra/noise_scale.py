@@ -31,12 +31,15 @@ gradient the add reads anyway, and one scalar reduction when it closes.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from ga_optax._src.algebra import parts, weights
 
 
 class NoiseScale(NamedTuple):
@@ -94,19 +97,30 @@ class NoiseScaleAverages(NamedTuple):
   windows: jax.Array
 
 
-class WindowNoise(NamedTuple):
-  """The noise scale's part of an :class:`ga_optax.AccumulateState`.
+class NoiseTerms(NamedTuple):
+  """The noise scale's part of a window: its sums over micro-gradients.
 
   Attributes:
-    square_sum: ``sum_i w_i |g_i|^2`` over the open window's
-      micro-gradients, as this device holds it.
-    micro_gradients: K, the open window's micro-gradients of positive
-      weight, as this device counts them.
-    smoothed: the averages over the windows closed so far.
+    square_sum: ``sum_i w_i |g_i|^2`` over the micro-gradients of positive
+      weight, as this device holds it.
+    micro_gradients: K, how many micro-gradients had positive weight.
+    weight: W, the sum of the micro-gradients' weights.
   """
 
   square_sum: jax.Array
   micro_gradients: jax.Array
+  weight: jax.Array
+
+
+class WindowNoise(NamedTuple):
+  """The noise scale's part of an :class:`ga_optax.AccumulateState`.
+
+  Attributes:
+    terms: the open window's sums, as this device holds them.
+    smoothed: the averages over the windows closed so far.
+  """
+
+  terms: NoiseTerms
   smoothed: NoiseScaleAverages
 
 
@@ -143,14 +157,16 @@ def no_averages() -> NoiseScaleAverages:
   )
 
 
+def leaf_square(leaf: jax.Array) -> jax.Array:
+  """``|leaf|^2``, the sum of its squared elements, in float32 or wider."""
+  return jnp.sum(
+    jnp.abs(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))) ** 2
+  )
+
+
 def square_norm(tree: Any) -> jax.Array:
   """``|tree|^2``, the sum of every leaf's squared elements, in float32."""
-  squares = [
-    jnp.sum(
-      jnp.abs(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))) ** 2
-    )
-    for leaf in jax.tree.leaves(tree)
-  ]
+  squares = [leaf_square(leaf) for leaf in jax.tree.leaves(tree)]
   return sum(squares[1:], squares[0]) if squares else jnp.zeros(())
 
 
@@ -184,9 +200,9 @@ def window_estimate(
   measured = micro_gradients >= 2
   spread = square_sum - weight * mean_square
   spread = jnp.where(spread > RESOLUTION * square_sum, spread, 0.0)
-  # Guards keep unmeasured windows from computing 0 / 0.
+  # A guard keeps an unmeasured window from computing 0 / 0.
   trace_sigma = spread / jnp.where(measured, count - 1.0, 1.0)
-  grad_sq = mean_square - trace_sigma / jnp.where(weight > 0, weight, 1.0)
+  grad_sq = mean_square - trace_sigma / weights.divisor(weight)
   return NoiseScaleEstimate(grad_sq, trace_sigma, measured)
 
 
@@ -286,27 +302,71 @@ def read(smoothed: NoiseScaleAverages) -> NoiseScale:
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class NoiseTermsPart:
+  """The noise scale as a part of the window algebra (:mod:`.parts`).
+
+  Each micro-batch adds ``w |g|^2``, its micro-gradients and their weight,
+  per micro-gradient as the placement defines one; the close forms the
+  window's unbiased estimates from the sums over every device.
+
+  Attributes:
+    held: where the sums are held, and how each device's become the
+      window's.
+  """
+
+  held: parts.Held = dataclasses.field(default_factory=parts.OnThisDevice)
+  combine: parts.Combine = "sum"
+
+  def zero(self) -> NoiseTerms:
+    return NoiseTerms(
+      square_sum=self.held.zero_total(),
+      micro_gradients=jnp.zeros((), jnp.int32),
+      weight=jnp.zeros((), jnp.float32),
+    )
+
+  def add(self, terms: NoiseTerms, micro_batch: parts.MicroBatch) -> NoiseTerms:
+    own = micro_batch.own
+    weight = jnp.asarray(own.weight, jnp.float32)
+    counted = weights.counts(weight).astype(jnp.int32)
+    return NoiseTerms(
+      square_sum=terms.square_sum + own.weighted_total(leaf_square),
+      micro_gradients=terms.micro_gradients + counted * own.count,
+      weight=terms.weight + own.count * weight,
+    )
+
+  def close(
+    self, terms: NoiseTerms, closing: parts.Closing
+  ) -> NoiseScaleEstimate:
+    """The window's estimates (``closing.weight`` is not read: the terms
+    hold the micro-gradients' own)."""
+    terms = self.held.combine(terms, self.combine)
+    return window_estimate(
+      terms.square_sum,
+      terms.micro_gradients,
+      terms.weight,
+      square_norm(closing.mean_grads),
+    )
+
+
 class Unmeasured:
   """``noise_scale_decay=None``: nothing measured, nothing kept, no cost."""
 
-  def init(self, parallel: Any) -> None:
-    del parallel
+  def init(self, held: Any) -> None:
+    del held
 
-  def add(
-    self, noise: Any, grads: Any, weight: Any, accepted: Any, parallel: Any
-  ) -> None:
-    del noise, grads, weight, accepted, parallel
+  def add(self, noise: Any, micro_batch: Any) -> None:
+    del noise, micro_batch
 
   def close(
     self,
     noise: Any,
     mean_grads: Any,
-    total_weight: jax.Array,
-    parallel: Any,
+    held: Any,
     *,
     inner_states: tuple[Any, Any],
   ) -> tuple[None, None]:
-    del noise, mean_grads, total_weight, parallel, inner_states
+    del noise, mean_grads, held, inner_states
     return None, None
 
   def reset(self, noise: Any, closes: jax.Array) -> None:
@@ -328,11 +388,9 @@ def same_units(
 class Measured:
   """Measures the window's noise scale, smoothing with ``decay``.
 
-  Each micro-step adds its share of ``sum_i w_i |g_i|^2`` and of K on the
-  device that computed it (the parallel strategy says what a device's
-  micro-gradient is); the closing side reduces those two scalars over the
-  devices, forms the window's estimates from them and the reduced mean
-  gradient, and folds them into the averages.
+  The window adds each micro-step's :class:`NoiseTermsPart`, on the device
+  that computed it; the closing side closes the part (over every device),
+  and folds the window's estimates into the averages.
 
   Attributes:
     decay: the averages' decay.
@@ -346,33 +404,21 @@ class Measured:
     self.decay = decay
     self.units = units
 
-  def init(self, parallel: Any) -> WindowNoise:
-    square_sum, micro_gradients = parallel.noise_terms_zero()
-    return WindowNoise(square_sum, micro_gradients, no_averages())
+  def init(self, held: parts.Held) -> WindowNoise:
+    return WindowNoise(NoiseTermsPart(held).zero(), no_averages())
 
   def add(
-    self,
-    noise: Any,
-    grads: Any,
-    weight: Any,
-    accepted: jax.Array,
-    parallel: Any,
+    self, noise: WindowNoise, micro_batch: parts.MicroBatch
   ) -> WindowNoise:
     """The open window's sums with this micro-step's (if it is kept)."""
-    # A dropped micro-step weighs nothing (its gradient may be NaN).
-    kept_weight = jnp.where(accepted, jnp.asarray(weight, jnp.float32), 0.0)
-    square, count = parallel.noise_terms(grads, kept_weight)
-    return noise._replace(
-      square_sum=noise.square_sum + square,
-      micro_gradients=noise.micro_gradients + count,
-    )
+    terms = NoiseTermsPart().add(noise.terms, micro_batch)
+    return noise._replace(terms=terms)
 
   def close(
     self,
     noise: WindowNoise,
     mean_grads: Any,
-    total_weight: jax.Array,
-    parallel: Any,
+    held: parts.Held,
     *,
     inner_states: tuple[Any, Any],
   ) -> tuple[WindowNoise, jax.Array]:
@@ -381,8 +427,7 @@ class Measured:
     Args:
       noise: the open window's sums and the averages so far.
       mean_grads: the window's reduced mean gradient.
-      total_weight: the window's weight, as this device holds it.
-      parallel: where the window lives across devices.
+      held: where the window's sums are held.
       inner_states: the wrapped optimizer's state before and after its
         step on this window, for :attr:`units`.
 
@@ -390,26 +435,27 @@ class Measured:
       The noise state, and K, the window's micro-gradients over every
       device.
     """
-    square_sum, micro_gradients, weight = parallel.reduce_noise(
-      noise.square_sum, noise.micro_gradients, total_weight
+    terms = held.combine(noise.terms, "sum")
+    estimate = NoiseTermsPart().close(
+      terms, parts.Closing(mean_grads, terms.weight)
     )
+    # Both estimates are linear in the squares: divided by the units'
+    # square, they are in the gradients' own units.
     scale, kept = self.units(*inner_states)
     units_squared = jnp.square(jnp.asarray(scale, jnp.float32))
-    estimate = window_estimate(
-      square_sum / units_squared,
-      micro_gradients,
-      weight,
-      square_norm(mean_grads) / units_squared,
+    estimate = NoiseScaleEstimate(
+      grad_sq=estimate.grad_sq / units_squared,
+      trace_sigma=estimate.trace_sigma / units_squared,
+      measured=estimate.measured & kept,
     )
-    estimate = estimate._replace(measured=estimate.measured & kept)
     smoothed = smooth(noise.smoothed, estimate, self.decay)
-    return noise._replace(smoothed=smoothed), micro_gradients
+    return noise._replace(smoothed=smoothed), terms.micro_gradients
 
   def reset(self, noise: WindowNoise, closes: jax.Array) -> WindowNoise:
     """The sums emptied where the window closed."""
     return noise._replace(
-      square_sum=jnp.where(
-        closes, jnp.zeros_like(noise.square_sum), noise.square_sum
-      ),
-      micro_gradients=jnp.where(closes, 0, noise.micro_gradients),
+      terms=jax.tree.map(
+        lambda term: jnp.where(closes, jnp.zeros_like(term), term),
+        noise.terms,
+      )
     )

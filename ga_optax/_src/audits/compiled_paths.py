@@ -220,17 +220,8 @@ def path_audit(
   if path not in PATHS:
     raise ValueError(f"path must be one of {PATHS}, got {path!r}.")
   module = as_module(program)
-  if require_window and not _holds_a_window(module):
-    raise ValueError(
-      "program holds no ga_optax window (no instruction compiled under"
-      f" {run_once.KEEP_OPEN!r} or {run_once.CLOSE_WINDOW!r}), so it has no"
-      " micro-step and closing paths: every call runs the whole program,"
-      " optimizer included. Audit the step built on ga_optax.accumulate (or"
-      " accumulate_and_apply) instead; to compare it with a step without a"
-      " window (optax.MultiSteps, a plain optimizer step), audit that step"
-      " with path_audit(program, path, require_window=False), which reads"
-      " the whole program as what every call runs."
-    )
+  if require_window:
+    _refuse_without_a_window(module)
   total = 0
   copies: list[Copy] = []
   collectives: list[Collective] = []
@@ -282,6 +273,21 @@ def path_audit(
 
   walk(module.entry, 1, False)
   return PathAudit(path, total, copies, collectives, misplaced)
+
+
+def _refuse_without_a_window(module: HloModule) -> None:
+  """Raises where ``module`` holds no ga_optax window: it has no paths."""
+  if not _holds_a_window(module):
+    raise ValueError(
+      "program holds no ga_optax window (no instruction compiled under"
+      f" {run_once.KEEP_OPEN!r} or {run_once.CLOSE_WINDOW!r}), so it has no"
+      " micro-step and closing paths: every call runs the whole program,"
+      " optimizer included. Audit the step built on ga_optax.accumulate (or"
+      " accumulate_and_apply) instead; to compare it with a step without a"
+      " window (optax.MultiSteps, a plain optimizer step), audit that step"
+      " with path_audit(program, path, require_window=False), which reads"
+      " the whole program as what every call runs."
+    )
 
 
 def _holds_a_window(module: HloModule) -> bool:

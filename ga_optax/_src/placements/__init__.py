@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import jax
 import optax
 
+from ga_optax._src.algebra import parts
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.placements import zero
 from ga_optax._src.placements.collective import Collective
@@ -87,26 +88,20 @@ class Parallel(Protocol):
     """The window's sum and weight over every device (closing only)."""
     ...
 
-  def noise_terms_zero(self) -> tuple[jax.Array, jax.Array]:
-    """Empty sums for the noise scale, typed as :meth:`noise_terms` adds."""
-    ...
+  def own_gradients(self, grads: Any, weight: Any) -> parts.OwnGradients:
+    """One micro-step's micro-gradients, as each device holds them.
 
-  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
-    """This device's share of ``sum w |g|^2`` and of K for one micro-step.
-
-    What a micro-gradient is depends on where the window lives: a device's
-    own gradient and weight where each device has its own, the micro-step's
-    gradient where they are already summed.
+    A device's own gradient and weight where each device has its own; the
+    micro-step's gradient where they are already summed.
     """
     ...
 
-  def reduce_noise(
-    self,
-    square_sum: jax.Array,
-    micro_gradients: jax.Array,
-    total_weight: jax.Array,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The window's ``sum w |g|^2``, K and W over every device (closing only)."""
+  def zero_total(self) -> jax.Array:
+    """A scalar 0, typed as :meth:`own_gradients`' totals are."""
+    ...
+
+  def combine(self, value: Any, combine: parts.Combine) -> Any:
+    """A part's ``value`` as each device holds it, made the window's."""
     ...
 
   def inner_update(

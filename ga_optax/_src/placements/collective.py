@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from ga_optax._src.algebra import parts
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.placements import local
 
@@ -74,32 +75,23 @@ class Collective(local.Local):
     finite = local.all_finite(grads).astype("int32")
     return jax.lax.pmin(finite, self.axes) > 0
 
-  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
+  def own_gradients(self, grads: Any, weight: Any) -> parts.OwnGradients:
     """Each device's gradient and weight, or the micro-step's where summed.
 
     With ``check_vma=True`` the gradient arrives summed over the D devices
     and the window divides by D times the weights: the micro-gradient is the
     gradient over D, the same on every device.
     """
-    square, count = super().noise_terms(grads, weight)
     if axes_lib.tracks_variance(self.axes):
-      square = square / jax.lax.axis_size(self.axes) ** 2
-    return square, count
-
-  def reduce_noise(
-    self,
-    square_sum: jax.Array,
-    micro_gradients: jax.Array,
-    total_weight: jax.Array,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    if axes_lib.tracks_variance(self.axes):
-      # The same on every device; the weights were summed D times over.
       devices = jax.lax.axis_size(self.axes)
-      return square_sum, micro_gradients, total_weight / devices
-    square_sum, micro_gradients = jax.lax.psum(
-      (square_sum, micro_gradients), self.axes
-    )
-    return square_sum, micro_gradients, total_weight
+      grads = jax.tree.map(lambda grad: grad / devices, grads)
+    return parts.Whole(grads, weight)
+
+  def combine(self, value: Any, combine: parts.Combine) -> Any:
+    if axes_lib.tracks_variance(self.axes):
+      # Each device's value is already the window's.
+      return value
+    return parts.across_axes(value, combine, self.axes)
 
   def reduce(
     self, accumulator: Any, weight_sum: jax.Array, params: Any

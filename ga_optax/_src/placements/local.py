@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src.algebra import noise_scale
+from ga_optax._src.algebra import parts
 from ga_optax._src.placements import axes as axes_lib
 
 
@@ -62,23 +62,15 @@ class Local:
     del params
     return accumulator, weight_sum
 
-  def noise_terms_zero(self) -> tuple[jax.Array, jax.Array]:
-    return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+  def own_gradients(self, grads: Any, weight: Any) -> parts.OwnGradients:
+    # Each call's gradient is one micro-gradient.
+    return parts.Whole(grads, weight)
 
-  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
-    # Each call's gradient is one micro-gradient; one of weight 0 adds
-    # nothing (its gradient may be 0 / 0).
-    weight = jnp.asarray(weight, jnp.float32)
-    square = jnp.where(weight > 0, weight * noise_scale.square_norm(grads), 0.0)
-    return square, (weight > 0).astype(jnp.int32)
+  def zero_total(self) -> jax.Array:
+    return parts.OnThisDevice().zero_total()
 
-  def reduce_noise(
-    self,
-    square_sum: jax.Array,
-    micro_gradients: jax.Array,
-    total_weight: jax.Array,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return square_sum, micro_gradients, total_weight
+  def combine(self, value: Any, combine: parts.Combine) -> Any:
+    return parts.OnThisDevice().combine(value, combine)
 
   def inner_update(
     self,

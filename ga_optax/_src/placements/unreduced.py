@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, PartitionSpec
 
-from ga_optax._src.algebra import noise_scale
+from ga_optax._src.algebra import parts, weights
 from ga_optax._src.placements import axes as axes_lib
 
 
@@ -175,35 +175,68 @@ class Unreduced:
   ) -> tuple[Any, Any]:
     return self.state.update(inner, grads, inner_state, params, extra_args)
 
-  def noise_terms_zero(self) -> tuple[jax.Array, jax.Array]:
-    zero = jax.reshard(
+  def own_gradients(self, grads: Any, weight: Any) -> parts.OwnGradients:
+    return PartialSums(grads, weight, self.unreduced_axes)
+
+  def zero_total(self) -> jax.Array:
+    return jax.reshard(
       jnp.zeros((), jnp.float32),
       PartitionSpec(unreduced=frozenset(_explicit_axes())),
     )
-    return zero, jnp.zeros((), jnp.int32)
 
-  def noise_terms(self, grads: Any, weight: Any) -> tuple[jax.Array, jax.Array]:
-    """Each device's partial sum as a micro-gradient of the batch's D-th part.
+  def combine(self, value: Any, combine: parts.Combine) -> Any:
+    def whole(leaf: jax.Array) -> jax.Array:
+      if not axes_lib.spec_of(leaf).unreduced:
+        return leaf  # every device holds the window's already
+      if combine != "sum":
+        raise ValueError("values unreduced over mesh axes can only be summed")
+      return jax.reshard(leaf, PartitionSpec())
 
-    A device's partial sum ``p_d`` of a micro-step of global weight N is
-    taken as its micro-gradient ``g_d = D p_d``, of weight ``N / D``: exact
-    when the devices' rows weigh the same. Its share ``N D |p_d|^2`` stays
-    on the device, as a scalar unreduced over the mesh axes like the
-    accumulator's partial sums; K grows by D.
-    """
+    return jax.tree.map(whole, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialSums:
+  """A micro-step's gradient as each device's partial sum of it.
+
+  A device's partial sum ``p_d`` of a micro-step of global weight N is
+  taken as its micro-gradient ``g_d = D p_d``, of weight ``N / D``: exact
+  when the devices' rows weigh the same. A total over them stays on each
+  device, as a scalar unreduced over the mesh axes like the accumulator's
+  partial sums.
+
+  Attributes:
+    grads: the micro-step's gradient, unreduced over ``unreduced_axes``.
+    global_weight: N, the micro-step's weight over every device.
+    unreduced_axes: the mesh axes the gradient is unreduced over.
+  """
+
+  grads: Any
+  global_weight: Any
+  unreduced_axes: axes_lib.Axes
+
+  @property
+  def count(self) -> int:
+    return axes_lib.device_count(self.unreduced_axes)
+
+  @property
+  def weight(self) -> jax.Array:
+    return jnp.asarray(self.global_weight, jnp.float32) / self.count
+
+  def weighted_total(self, leaf_fn: Any) -> jax.Array:
     axes = _explicit_axes()
-    devices = axes_lib.device_count(self.unreduced_axes)
-    leaves = jax.tree.leaves(grads)
+    devices = self.count
+    leaves = jax.tree.leaves(self.grads)
     specs = tuple(axes_lib.spec_of(leaf) for leaf in leaves)
 
     def per_device(weight: jax.Array, *blocks: jax.Array) -> jax.Array:
-      square = jnp.zeros((), jnp.float32)
+      total = jnp.zeros((), jnp.float32)
       for block, spec in zip(blocks, specs, strict=True):
         # A leaf whole on several devices of an axis is counted once.
         spread = axes_lib.sharded_axes(spec) | set(spec.unreduced)
         copies = axes_lib.device_count(a for a in axes if a not in spread)
-        square = square + noise_scale.square_norm(block) / copies
-      share = jnp.where(weight > 0, weight * devices * square, 0.0)
+        total = total + leaf_fn(block * devices) / copies
+      share = jnp.where(weights.counts(weight), weight * total, 0.0)
       return share[None]
 
     shares = jax.shard_map(
@@ -211,23 +244,9 @@ class Unreduced:
       in_specs=(PartitionSpec(), *specs),
       out_specs=PartitionSpec(axes),
       check_vma=False,
-    )(jnp.asarray(weight, jnp.float32), *leaves)
-    square = jnp.einsum(
+    )(self.weight, *leaves)
+    return jnp.einsum(
       "d->", shares, out_sharding=PartitionSpec(unreduced=frozenset(axes))
-    )
-    count = jnp.where(weight > 0, devices, 0).astype(jnp.int32)
-    return square, count
-
-  def reduce_noise(
-    self,
-    square_sum: jax.Array,
-    micro_gradients: jax.Array,
-    total_weight: jax.Array,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return (
-      jax.reshard(square_sum, PartitionSpec()),
-      micro_gradients,
-      total_weight,
     )
 
 

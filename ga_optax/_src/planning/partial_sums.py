@@ -233,7 +233,7 @@ def _window_sums(state: AccumulateState) -> Any:
   noise = state.noise_scale
   if noise is None:
     return (state.weight_sum,)
-  return (state.weight_sum, noise.square_sum, noise.micro_gradients)
+  return (state.weight_sum, noise.terms)
 
 
 def _with_window_sums(state: AccumulateState, sums: Any) -> AccumulateState:
@@ -241,9 +241,7 @@ def _with_window_sums(state: AccumulateState, sums: Any) -> AccumulateState:
   state = state._replace(weight_sum=sums[0])
   if state.noise_scale is None:
     return state
-  noise = state.noise_scale._replace(
-    square_sum=sums[1], micro_gradients=sums[2]
-  )
+  noise = state.noise_scale._replace(terms=sums[1])
   return state._replace(noise_scale=noise)
 
 

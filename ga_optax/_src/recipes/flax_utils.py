@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
-from ga_optax._src.algebra import fp8
+from ga_optax._src.algebra import fp8, parts
 from ga_optax._src.window.state import AccumulateState, find_state
 
 
@@ -105,15 +107,15 @@ def apply_gradients(
     grads, state.opt_state, params, **update_kwargs
   )
   if before is not None:
-    window, fp8_state = fp8.micro_step(
+    window, fp8_state = _fp8_micro_step(
       before,
       find_state(opt_state),
-      fp8_state,
+      fp8.Fp8Part(fp8_state, before.fp8_window.reduction),
       latest_fp8,
       update_kwargs.get("weight", 1),
       axis_name,
     )
-    opt_state = fp8.with_window(opt_state, window)
+    opt_state = _with_fp8_window(opt_state, window)
   return state.replace(
     step=state.step + 1,
     params=fp8.join_variables(
@@ -135,7 +137,7 @@ def _fp8_window_state(
       " variables (params=variables), and differentiate them."
     )
   before = find_state(state.opt_state)
-  if before.overwrite is None:
+  if before.fp8_window is None:
     raise ValueError(
       f"grads hold Flax's float8 state (the {collection!r} collection) but"
       " the optimizer state has no window for it: TrainState.create"
@@ -144,6 +146,73 @@ def _fp8_window_state(
       " params=variables, tx=tx).replace(opt_state=tx.init(variables))."
     )
   fp8.check_like(
-    before.overwrite, latest_fp8, f"grads' {collection!r} collection"
+    before.fp8_window, latest_fp8, f"grads' {collection!r} collection"
   )
   return before
+
+
+def _fp8_micro_step(
+  before: AccumulateState,
+  after: AccumulateState,
+  part: fp8.Fp8Part,
+  latest: Any,
+  weight: Any,
+  axis_name: Any = None,
+) -> tuple[fp8.Fp8Window, Any]:
+  """One ``update`` call's effect on the float8 state, read off the window.
+
+  Args:
+    before: the accumulation's state before the call; its ``fp8_window``
+      is the running combination.
+    after: its state after the call.
+    part: the float8 state's part, from the state at the start of the
+      window (what the micro-batch computed with).
+    latest: the micro-batch's new float8 state.
+    weight: the call's ``weight=``.
+    axis_name: inside ``jax.shard_map``, the data-parallel axes: the state
+      a closing window leaves combines every device's micro-batches (a
+      ``pmax`` of the combination, a few amax histories, and a ``psum`` of
+      the weight, on every call).
+
+  Returns:
+    ``(window, fp8_state)``: the running combination to keep in the state,
+    and the float8 state after the call: the large batch's new state when
+    the call closed a window that applied an update, the window-start state
+    otherwise (a micro-step, or a window that closed empty).
+  """
+  # A micro-step dropped by skip_nonfinite is counted in num_skipped (which
+  # saturates only after 2**31 - 1 drops).
+  accepted = after.num_skipped == before.num_skipped
+  weight = jnp.where(accepted, jnp.asarray(weight, before.weight_sum.dtype), 0)
+  # The first micro-step of a window starts from the empty combination.
+  restarts = before.micro_step == 0
+  window = jax.tree.map(
+    lambda empty, running: jnp.where(restarts, empty, running),
+    part.zero(),
+    before.fp8_window,
+  )
+  variables = {"params": None, fp8.OVERWRITE_WITH_GRADIENT: latest}
+  window = part.add(window, parts.MicroBatch.whole(variables, weight, accepted))
+  weight_sum = before.weight_sum + weight
+  everywhere = window
+  if axis_name is not None:
+    everywhere = parts.across_axes(window, part.combine, axis_name)
+    weight_sum = jax.lax.psum(weight_sum, axis_name)
+  closed = part.close(everywhere, parts.Closing(None, weight_sum))
+  fp8_state = jax.tree.map(
+    lambda new, old: jnp.where(after.emitted, new, old), closed, part.start
+  )
+  return window, fp8_state
+
+
+def _with_fp8_window(opt_state: Any, window: fp8.Fp8Window) -> Any:
+  """``opt_state`` with its :class:`AccumulateState`'s window replaced."""
+
+  def is_state(node: Any) -> bool:
+    return isinstance(node, AccumulateState)
+
+  return jax.tree.map(
+    lambda node: node._replace(fp8_window=window) if is_state(node) else node,
+    opt_state,
+    is_leaf=is_state,
+  )

@@ -18,10 +18,13 @@ from typing import Any
 import jax.numpy as jnp
 
 from ga_optax._src import validation
+from ga_optax._src.algebra import noise_scale as noise_lib
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.placements import unreduced
 from ga_optax._src.scan import batch_layout
 from ga_optax._src.scan.microbatch_devices import (
+  LeftUnreduced,
+  ReducedAfterScan,
   Result,
   data_parallel_axes,
   local_or_manual,
@@ -92,7 +95,7 @@ def _check_options(
     weighting=Weighting(
       weight_fn=weight_fn,
       accumulator_dtype=accumulator_dtype,
-      noise_scale=noise_scale,
+      noise=noise_lib.NoiseTermsPart() if noise_scale else None,
     ),
     num_microbatches=num_microbatches,
   )
@@ -293,7 +296,7 @@ def microbatched_value_and_grad(
     mesh_axes, manual_axes = data_parallel_axes(inputs, axis_name)
     if mesh_axes:
       result = per_device_sums(
-        microbatching, mesh_axes, inputs, unreduced=False
+        microbatching, mesh_axes, inputs, ReducedAfterScan()
       )
     else:
       result = local_or_manual(microbatching, manual_axes, inputs)
@@ -427,7 +430,7 @@ def unreduced_value_and_grad(
   ) -> Any:
     inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
     axes = unreduced_batch_axes(inputs, unreduced_axes)
-    result = per_device_sums(microbatching, axes, inputs, unreduced=True)
+    result = per_device_sums(microbatching, axes, inputs, LeftUnreduced())
     if weight_fn is None:
       unreduced.mark_devices_weighed_alike(result.grads)
     output = _value_and_grad(result, has_aux)

@@ -35,7 +35,12 @@ from jax.sharding import AxisType, PartitionSpec
 from ga_optax._src.algebra import noise_scale as noise_lib
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.scan import batch_layout
-from ga_optax._src.scan.microbatch_scan import Inputs, Microbatching, Sums
+from ga_optax._src.scan.microbatch_scan import (
+  Inputs,
+  Microbatching,
+  Sums,
+  Weighting,
+)
 
 
 class Result(NamedTuple):
@@ -57,22 +62,81 @@ class Result(NamedTuple):
   estimate: noise_lib.NoiseScaleEstimate | None
 
 
+class ReducedAfterScan:
+  """The devices' sums reduced once after the scan, inside the map."""
+
+  def grad_spec(self, axes: axes_lib.Axes, spec: PartitionSpec) -> Any:
+    """The spec of a gradient leaving the map: the parameter's own."""
+    del axes
+    return PartitionSpec(*spec.partitions)
+
+  def per_device(
+    self, weighting: Weighting, sums: Sums, diff: Any, axes: axes_lib.Axes
+  ) -> Result:
+    """One device's result, from its own sums."""
+    sums = sums.reduced(axes, weighting.parts(diff))
+    value, grads, estimate = weighting.close(sums, diff)
+    return Result(value, grads, None, sums.weight, estimate)
+
+  def outside(self, grads: Any, diff: Any, axes: axes_lib.Axes) -> Any:
+    """The gradients as the caller gets them."""
+    if _explicit(axes):
+      # A parameter sharded over a batch axis (FSDP) was gathered for the
+      # scan; its gradient goes back to the parameter's own sharding.
+      return axes_lib.reshard_tree(grads, jax.tree.map(axes_lib.spec_of, diff))
+    return grads
+
+
+class LeftUnreduced:
+  """The gradients left ``unreduced`` over the batch axes, for the window.
+
+  They leave scaled by the global weight but not summed over devices, for
+  ``accumulate(..., unreduced_axes=axes)`` to sum once per window.
+  """
+
+  def grad_spec(self, axes: axes_lib.Axes, spec: PartitionSpec) -> Any:
+    # One partial sum per device, stacked along a new leading axis: a
+    # shard_map may not return unreduced values while other axes stay
+    # outside it, so they are summed into unreduced ones after it.
+    return PartitionSpec(axes, *spec.partitions)
+
+  def per_device(
+    self, weighting: Weighting, sums: Sums, diff: Any, axes: axes_lib.Axes
+  ) -> Result:
+    if "fp8" in sums.parts:
+      raise ValueError(
+        "unreduced_value_and_grad cannot leave Flax float8 state"
+        " (_overwrite_with_gradient) unreduced: it is combined by a max, not"
+        " summed. Use ga_optax.microbatched_value_and_grad, whose gradients"
+        " are reduced once after its scan."
+      )
+    # The value's and the weight's sums share one scalar all-reduce.
+    value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
+    value, grads, _ = weighting.close(
+      sums._replace(value=value_sum, weight=weight_sum, parts={}), diff
+    )
+    stacked = jax.tree.map(lambda grad: grad[None], grads)
+    return Result(value, stacked, None, weight_sum, None)
+
+  def outside(self, grads: Any, diff: Any, axes: axes_lib.Axes) -> Any:
+    return axes_lib.sum_to_unreduced(grads, diff, axes)
+
+
+Reduction = ReducedAfterScan | LeftUnreduced
+
+
 def per_device_sums(
   microbatching: Microbatching,
   axes: axes_lib.Axes,
   inputs: Inputs,
-  *,
-  unreduced: bool,
+  reduction: Reduction,
 ) -> Result:
   """Micro-batching of a batch sharded over mesh ``axes``, under plain jit.
 
   Each device scans its own entries; the map over the devices does not
   check varying axes, so each micro-batch's gradient stays a device-local
-  partial sum and the user's loss runs as JAX runs it. The sums are reduced
-  once, after the scan. With ``unreduced``, the gradients leave scaled by
-  the global weight but not summed over devices: ``unreduced`` over
-  ``axes``, for ``accumulate(..., unreduced_axes=axes)`` to sum once per
-  window.
+  partial sum and the user's loss runs as JAX runs it. ``reduction`` says
+  how the sums leave the map.
 
   Returns:
     The :class:`Result`; aux leaves are stacked per sub-batch, device
@@ -95,35 +159,15 @@ def per_device_sums(
         rng=jax.random.fold_in(local.rng, jax.lax.axis_index(axes))
       )
     sums, aux = microbatching.sums(local, device_axes=axes)
-    weighting = microbatching.weighting
-    if not unreduced:
-      sums = sums.reduced(axes)
-      value, grads = weighting.mean(sums, local.trainable.diff)
-      return Result(value, grads, aux, sums.weight, weighting.estimate(sums))
-    if sums.fp8 is not None:
-      raise ValueError(
-        "unreduced_value_and_grad cannot leave Flax float8 state"
-        " (_overwrite_with_gradient) unreduced: it is combined by a max, not"
-        " summed. Use ga_optax.microbatched_value_and_grad, whose gradients"
-        " are reduced once after its scan."
-      )
-    # The value's and the weight's sums share one scalar all-reduce.
-    value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
-    value, grads = weighting.mean(
-      Sums(sums.grads, value_sum, weight_sum), local.trainable.diff
+    result = reduction.per_device(
+      microbatching.weighting, sums, local.trainable.diff, axes
     )
-    # One partial sum per device, stacked along a new leading axis: a
-    # shard_map may not return unreduced values while other axes stay
-    # outside it, so they are summed into unreduced ones below.
-    stacked = jax.tree.map(lambda grad: grad[None], grads)
-    return Result(value, stacked, aux, weight_sum, None)
+    return result._replace(aux=aux)
 
-  # Gradients keep each parameter's spec over other mesh axes; stacked
-  # partial sums get a leading axis over the batch axes.
+  # Gradients keep each parameter's spec over other mesh axes.
   grad_specs = jax.tree.map(
-    lambda param: PartitionSpec(
-      *((axes,) if unreduced else ()),
-      *axes_lib.without_axes(axes_lib.spec_of(param), axes).partitions,
+    lambda param: reduction.grad_spec(
+      axes, axes_lib.without_axes(axes_lib.spec_of(param), axes)
     ),
     diff,
   )
@@ -144,16 +188,7 @@ def per_device_sums(
       )
     ),
   )
-  if unreduced:
-    grads = axes_lib.sum_to_unreduced(result.grads, diff, axes)
-  elif _explicit(axes):
-    # A parameter sharded over a batch axis (FSDP) was gathered for the
-    # scan; its gradient goes back to the parameter's own sharding.
-    specs = jax.tree.map(axes_lib.spec_of, diff)
-    grads = axes_lib.reshard_tree(result.grads, specs)
-  else:
-    grads = result.grads
-  return result._replace(grads=grads)
+  return result._replace(grads=reduction.outside(result.grads, diff, axes))
 
 
 def _explicit(axes: axes_lib.Axes) -> bool:
@@ -241,11 +276,11 @@ def local_or_manual(
   sums, aux = microbatching.sums(
     inputs, varying_axes=varying_axes, device_axes=manual_axes
   )
-  if manual_axes:
-    sums = sums.reduced(manual_axes)
   weighting = microbatching.weighting
-  value, grads = weighting.mean(sums, trainable.diff)
-  return Result(value, grads, aux, sums.weight, weighting.estimate(sums))
+  if manual_axes:
+    sums = sums.reduced(manual_axes, weighting.parts(trainable.diff))
+  value, grads, estimate = weighting.close(sums, trainable.diff)
+  return Result(value, grads, aux, sums.weight, estimate)
 
 
 def unreduced_batch_axes(inputs: Inputs, unreduced_axes: Any) -> axes_lib.Axes:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ga_optax._src import validation
-from ga_optax._src.algebra import dtypes, fp8
+from ga_optax._src.algebra import dtypes, fp8, parts, weights
 from ga_optax._src.algebra import noise_scale as noise_lib
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.scan import batch_layout
@@ -122,27 +122,25 @@ class Sums(NamedTuple):
     grads: ``sum(w_i * grad_i)``, a tree like the differentiated params.
     value: ``sum(w_i * value_i)``.
     weight: ``sum(w_i)``.
-    square: with ``noise_scale``, ``sum(w_i |grad_i|^2)``; else None.
-    micro_batches: with ``noise_scale``, how many micro-batches had weight
-      > 0; else None.
-    fp8: for Flax variables with float8 state, the running combination of
-      the micro-batches' new float8 state (``grads`` holds zeros there);
-      else None.
+    parts: each part's value (:mod:`ga_optax._src.algebra.parts`), by
+      name: ``"noise"`` with ``noise_scale``, ``"fp8"`` for Flax variables
+      with float8 state (``grads`` holds zeros there).
   """
 
   grads: Any
   value: jax.Array
   weight: jax.Array
-  square: Any = None
-  micro_batches: Any = None
-  fp8: Any = None
+  parts: dict[str, Any]
 
-  def reduced(self, axes: axes_lib.Axes) -> Sums:
-    """The sums over the devices of ``axes``; float8 state by a max."""
-    summed = jax.lax.psum(self._replace(fp8=None), axes)
-    if self.fp8 is None:
-      return summed
-    return summed._replace(fp8=fp8.across_devices(self.fp8, axes))
+  def reduced(self, axes: axes_lib.Axes, parts_of: dict[str, Any]) -> Sums:
+    """The sums over the devices of ``axes``, each part by its combine."""
+    summed = jax.lax.psum(self._replace(parts={}), axes)
+    return summed._replace(
+      parts={
+        name: parts.across_axes(value, parts_of[name].combine, axes)
+        for name, value in self.parts.items()
+      }
+    )
 
 
 class MicrobatchLoss(NamedTuple):
@@ -198,12 +196,24 @@ class Weighting(NamedTuple):
   Attributes:
     weight_fn: ``microbatch -> scalar weight``, or None for weight 1.
     accumulator_dtype: the floating dtype of the gradient sums.
-    noise_scale: also sum what the gradient noise scale needs.
+    noise: the noise scale's part, to measure it; else None.
   """
 
   weight_fn: WeightFn | None
   accumulator_dtype: jnp.dtype
-  noise_scale: bool = False
+  noise: noise_lib.NoiseTermsPart | None = None
+
+  def parts(self, diff: Any) -> dict[str, Any]:
+    """The parts these sums carry, for the differentiated params ``diff``."""
+    found: dict[str, Any] = {}
+    if self.noise is not None:
+      found["noise"] = self.noise
+    start = fp8.split_variables(diff)[1]
+    if start is not None:
+      # Each micro-batch's loss is its share of the batch's: the window
+      # sums the output-gradient amaxes instead of averaging them.
+      found["fp8"] = fp8.Fp8Part(start, reduction="sum", scaled_to_share=True)
+    return found
 
   def zeros(self, diff: Any) -> Sums:
     """Empty sums for the differentiated params ``diff``."""
@@ -218,120 +228,74 @@ class Weighting(NamedTuple):
       ),
       value=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
       weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
-      square=jnp.zeros((), jnp.float32) if self.noise_scale else None,
-      micro_batches=jnp.zeros((), jnp.int32) if self.noise_scale else None,
-      # Each micro-batch's loss is its share of the batch's: the window
-      # sums the output-gradient amaxes instead of averaging them.
-      fp8=fp8.init_window(fp8.split_variables(diff)[1], reduction="sum"),
+      parts={name: part.zero() for name, part in self.parts(diff).items()},
     )
 
   def weight_of(self, microbatch: Any) -> jax.Array:
-    """The micro-batch's weight, by the rule of ``validation.check_weight``.
-
-    A concrete negative weight (``weight_fn`` returning a constant) is
-    refused; a traced one is used as given and subtracts its micro-batch,
-    as ``accumulate``'s ``weight=`` does.
-    """
+    """The micro-batch's weight, by the rule of :mod:`.weights`."""
     weight_dtype = dtypes.weight_dtype(self.accumulator_dtype)
     if self.weight_fn is None:
       return jnp.ones((), weight_dtype)
-    weight = self.weight_fn(microbatch)
-    if jnp.shape(weight) != ():
-      raise ValueError(
-        "weight_fn must return a scalar per micro-batch (for example its"
-        f" number of real tokens), got shape {jnp.shape(weight)}."
-      )
-    dtype = jnp.result_type(weight)
-    if (
-      not (
-        jnp.issubdtype(dtype, jnp.integer)
-        or jnp.issubdtype(dtype, jnp.floating)
-      )
-      or dtype == jnp.bool_
-    ):
-      raise TypeError(
-        "weight_fn must return a real number (an integer or floating"
-        f" scalar such as a token count), got dtype {dtype}. A boolean"
-        " mask must be summed first."
-      )
-    if not isinstance(weight, jax.core.Tracer):
-      validation.check_weight(weight, "weight_fn's weight")
+    weight = weights.check_returned(self.weight_fn(microbatch))
     return jnp.asarray(weight, weight_dtype)
 
-  def add(self, sums: Sums, value: Any, grads: Any, weight: jax.Array) -> Sums:
+  def add(
+    self, sums: Sums, value: Any, grads: Any, weight: jax.Array, diff: Any
+  ) -> Sums:
     """``sums`` with one micro-batch's value and gradient added, weighted."""
-    # A weight-0 micro-batch may hold a 0 / 0 loss: select, not multiply.
-    has_weight = weight != 0
-    # Only a positive weight makes a micro-gradient (and a float8 amax).
-    positive = weight > 0
-    window = sums.fp8
-    if window is not None:
-      params_grads, latest = fp8.split_variables(grads)
-      window = fp8.combine(window, latest, positive.astype(jnp.float32))
-      zeros = jax.tree.map(jnp.zeros_like, latest)
-      grads = fp8.join_variables(grads, params_grads, zeros)
+    # The float8 state's "gradient" is its new value: its part combines
+    # it, and the gradient sums (and micro-gradients) hold zeros there.
+    params_grads, latest = fp8.split_variables(grads)
+    summed = fp8.join_variables(
+      grads, params_grads, jax.tree.map(jnp.zeros_like, latest)
+    )
+    micro_batch = parts.MicroBatch.whole(grads, weight)
+    micro_batch = micro_batch._replace(
+      own=parts.Whole(summed, micro_batch.weight)
+    )
+    new_parts = {
+      name: part.add(sums.parts[name], micro_batch)
+      for name, part in self.parts(diff).items()
+    }
+    grads = summed
+    factor = 1 if self.weight_fn is None else weight
 
     def add_term(total: jax.Array, term: jax.Array) -> jax.Array:
-      term = term.astype(total.dtype)
-      if self.weight_fn is None:
-        return total + term
-      weighted = weight.astype(total.dtype) * term
-      return total + jnp.where(has_weight, weighted, jnp.zeros((), total.dtype))
+      return total + weights.weighted(term, factor, total.dtype)
 
-    new_sums = Sums(
+    return Sums(
       grads=jax.tree.map(add_term, sums.grads, grads),
       value=add_term(sums.value, value),
       weight=sums.weight + weight,
-      fp8=window,
+      parts=new_parts,
     )
-    if self.noise_scale:
-      square = weight.astype(jnp.float32) * noise_lib.square_norm(grads)
-      new_sums = new_sums._replace(
-        square=sums.square + jnp.where(positive, square, 0.0),
-        micro_batches=sums.micro_batches + positive.astype(jnp.int32),
-      )
-    return new_sums
 
-  def mean(self, sums: Sums, diff: Any) -> tuple[jax.Array, Any]:
-    """``(value, grads)``: the sums over their weight, grads in diff's dtypes.
+  def close(
+    self, sums: Sums, diff: Any
+  ) -> tuple[jax.Array, Any, noise_lib.NoiseScaleEstimate | None]:
+    """``(value, grads, estimate)``: the means, grads in diff's dtypes.
 
     Weights that sum to 0 or less (a batch of padding only, or one whose
     traced negative weights outweigh the rest) give zeros, as such a window
-    of ``accumulate`` does.
+    of ``accumulate`` does. The estimate is the noise scale's, or None.
     """
-    scale = jnp.where(
-      sums.weight > 0, 1.0 / jnp.where(sums.weight > 0, sums.weight, 1.0), 0.0
+    scale = weights.reciprocal(sums.weight)
+    mean = jax.tree.map(
+      lambda total: total * scale.astype(total.dtype), sums.grads
     )
+    closing = parts.Closing(mean, sums.weight.astype(jnp.float32))
     grads = jax.tree.map(
-      lambda total, param: (total * scale.astype(total.dtype)).astype(
-        jnp.result_type(param)
-      ),
-      sums.grads,
-      diff,
+      lambda total, param: total.astype(jnp.result_type(param)), mean, diff
     )
-    if sums.fp8 is not None:
+    closed = {
+      name: part.close(sums.parts[name], closing)
+      for name, part in self.parts(diff).items()
+    }
+    if "fp8" in closed:
       # The float8 state's "gradient" is the large batch's new state.
       params_grads, _ = fp8.split_variables(grads)
-      start = fp8.split_variables(diff)[1]
-      grads = fp8.join_variables(
-        grads, params_grads, fp8.close(sums.fp8, start, sums.weight)
-      )
-    return sums.value * scale, grads
-
-  def estimate(self, sums: Sums) -> noise_lib.NoiseScaleEstimate | None:
-    """The noise scale's estimates from sums over every micro-batch."""
-    if not self.noise_scale:
-      return None
-    scale = 1.0 / jnp.where(sums.weight == 0, 1.0, sums.weight)
-    mean_square = (
-      noise_lib.square_norm(sums.grads) * scale.astype(jnp.float32) ** 2
-    )
-    return noise_lib.window_estimate(
-      sums.square,
-      sums.micro_batches,
-      sums.weight.astype(jnp.float32),
-      mean_square,
-    )
+      grads = fp8.join_variables(grads, params_grads, closed["fp8"])
+    return sums.value * scale, grads, closed.get("noise")
 
 
 class Microbatching(NamedTuple):
@@ -368,14 +332,14 @@ class Microbatching(NamedTuple):
       self.weighting.zeros(trainable.diff), varying_axes
     )
     batch_weight = None
-    if initial.fp8 is not None:
-      weights = jax.lax.map(
+    if "fp8" in initial.parts:
+      micro_weights = jax.lax.map(
         lambda split: self.weighting.weight_of(
           layout.rebuild(split, inputs.whole)
         ),
         microbatches,
       )
-      batch_weight = jnp.sum(weights)
+      batch_weight = jnp.sum(micro_weights)
       if device_axes:
         batch_weight = jax.lax.psum(batch_weight, device_axes)
 
@@ -393,7 +357,7 @@ class Microbatching(NamedTuple):
       else:
         # Float8 state: the loss's share of the batch's, so that its
         # backward pass quantises as the large batch's; scaled back after.
-        share = jnp.where(weight > 0, weight / batch_weight, 1.0)
+        share = jnp.where(weights.counts(weight), weight / batch_weight, 1.0)
         value, aux, grads = self.loss.value_and_grad(
           trainable, microbatch, inputs.args, kwargs, share
         )
@@ -403,7 +367,8 @@ class Microbatching(NamedTuple):
         )
         grads = fp8.join_variables(grads, params_grads, latest)
         value = value / share
-      return self.weighting.add(sums, value, grads, weight), aux
+      sums = self.weighting.add(sums, value, grads, weight, trainable.diff)
+      return sums, aux
 
     indices = jnp.arange(self.num_microbatches, dtype=jnp.int32)
     return jax.lax.scan(scan_body, initial, (indices, microbatches))

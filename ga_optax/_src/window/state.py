@@ -61,7 +61,7 @@ class AccumulateState(NamedTuple):
       the gradient noise scale and the averages over closed windows (read
       them with :func:`ga_optax.noise_scale`); None (no leaves, no cost)
       without.
-    overwrite: for a Flax model with float8 state (the
+    fp8_window: for a Flax model with float8 state (the
       ``_overwrite_with_gradient`` collection, whose "gradient" is its new
       value), the window's running combination of those new values; None
       (no leaves) for any other model. See :func:`ga_optax.apply_gradients`.
@@ -76,7 +76,7 @@ class AccumulateState(NamedTuple):
   accumulator: optax.Updates
   inner_state: optax.OptState
   noise_scale: WindowNoise | None = None
-  overwrite: Any = None
+  fp8_window: Any = None
 
 
 def check_state(state: Any) -> AccumulateState:

@@ -36,11 +36,12 @@ import jax.numpy as jnp
 import optax
 
 from ga_optax._src import validation
-from ga_optax._src.algebra import dtypes, fp8
+from ga_optax._src.algebra import dtypes, fp8, parts, weights
 from ga_optax._src.algebra.noise_scale import Measured, Unmeasured
 from ga_optax._src.batch_size import adaptive, every_k
 from ga_optax._src.placements import Parallel, residency
 from ga_optax._src.window import precision, run_once, window_form
+from ga_optax._src.window.closing import ClosingSide
 from ga_optax._src.window.counters import increment_if
 from ga_optax._src.window.output import ApplyToParams, EmitUpdates
 from ga_optax._src.window.state import AccumulateState, check_state
@@ -146,7 +147,7 @@ class Window:
       ),
       inner_state=self.inner_state_home.keep(inner_state, unplaced=unplaced),
       noise_scale=self.noise.init(self.parallel),
-      overwrite=fp8.init_window(fp8_state, reduction=self.reduction),
+      fp8_window=fp8.init_window(fp8_state, reduction=self.reduction),
     )
 
   def update(
@@ -167,7 +168,7 @@ class Window:
     validation.check_grads_match(
       grads, state.accumulator, self.parallel.unreduced_axes
     )
-    weight = validation.check_weight(weight)
+    weight = weights.check(weight)
     flush = validation.check_flush(flush)
     self.parallel.check_update(grads, weight)
 
@@ -204,7 +205,7 @@ class Window:
       accumulator=self.accumulator_home.keep(accumulator),
       inner_state=closed["inner_state"],
       noise_scale=closed["noise"],
-      overwrite=state.overwrite,
+      fp8_window=state.fp8_window,
     )
     return micro_step.emit(output, closed["stepped"]), new_state
 
@@ -229,10 +230,10 @@ class Window:
     if not self.parallel.weights_are_global:
       # The window's weight is only known after the closing reduction.
       return Decision(micro_step, every_k, closes, closes, scale)
-    steps = closes & (admitted.weight_sum > 0)
+    steps = closes & weights.has_weight(admitted.weight_sum)
     if self.reduction == "mean":
-      weight_sum = jnp.where(steps, admitted.weight_sum, 1.0)
-      scale = jnp.where(steps, 1.0 / weight_sum, 1.0).astype(scale.dtype)
+      scale = jnp.where(steps, weights.reciprocal(admitted.weight_sum), 1.0)
+      scale = scale.astype(self.accumulator_dtype)
     return Decision(micro_step, every_k, closes, steps, scale)
 
 
@@ -310,12 +311,19 @@ class MicroStep:
 
     def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
       kept = jnp.where(restarts, jnp.zeros_like(total), total)
-      added = kept + _weighted(grad, weight, total.dtype)
+      added = kept + weights.weighted(grad, weight, total.dtype)
       if window.skip_nonfinite:
         added = jnp.where(admitted.accepted, added, total)
       return added * scale.astype(added.dtype) if scaled else added
 
     return jax.tree.map(add_grad, accumulator, grads)
+
+  def micro_batch(self, grads: optax.Updates) -> parts.MicroBatch:
+    """This micro-step as a part of the window adds it."""
+    accepted = self.admitted.accepted
+    weight = jnp.where(accepted, jnp.asarray(self.weight, jnp.float32), 0.0)
+    own = self.window.parallel.own_gradients(grads, weight)
+    return parts.MicroBatch(grads, weight, accepted, own)
 
   def folded(self, steps: jax.Array) -> tuple[Any, dict[str, Any]]:
     """The two sides as loops, the last gradient added by the closing one.
@@ -359,11 +367,7 @@ class MicroStep:
     weight) emits nothing and starts anew.
     """
     noise: Any = self.window.noise.add(
-      carry["noise"],
-      self.grads,
-      self.weight,
-      self.admitted.accepted,
-      self.window.parallel,
+      carry["noise"], self.micro_batch(self.grads)
     )
     return {
       "accumulator": self.added(carry["accumulator"], self.grads),
@@ -377,173 +381,3 @@ class MicroStep:
     return self.window.output.emit(
       output, stepped, self.updates_like, self.carrier
     )
-
-
-@dataclasses.dataclass
-class ClosingSide:
-  """The side of a micro-step that closes the window.
-
-  It adds the last gradient, reduces the window over the devices,
-  normalises it and steps the wrapped optimizer once, writing its output
-  (updates, or new params) into the micro-step's carrier buffer; then it
-  decides the next window's k.
-
-  Attributes:
-    micro_step: the micro-step it is a side of.
-    opened_accumulator: the accumulator as the other side left it, read
-      when it does not carry the output.
-    adds: whether this side adds the last gradient (it is then not in
-      ``opened_accumulator``, since the other side did not run).
-  """
-
-  micro_step: MicroStep
-  opened_accumulator: optax.Updates
-  adds: bool
-
-  def carry(self, opened: dict[str, Any]) -> dict[str, Any]:
-    """What closing the window writes, its output's buffer among them.
-
-    The accumulator is carried only when it is that buffer; otherwise the
-    closing side reads it where keeping the window open left it.
-    """
-    micro_step = self.micro_step
-    carry = {
-      "inner_state": micro_step.window.inner_state_home.keep(
-        micro_step.state.inner_state
-      ),
-      "noise": opened["noise"],
-      # The state's own buffer, written only when the window closes: a
-      # schedule's k is a constant, and a constant output frees its donated
-      # buffer, which JAX may then pair with an output in another memory kind.
-      "every_k": micro_step.state.every_k,
-      "stepped": jnp.zeros((), jnp.bool_),
-    }
-    if micro_step.carrier == "accumulator":
-      carry["accumulator"] = opened["accumulator"]
-    elif micro_step.carrier == "grads":
-      carry["grads"] = micro_step.grads
-    elif micro_step.carrier == "params":
-      carry["params"] = micro_step.params
-    else:
-      carry["zeros"] = optax.tree.zeros_like(micro_step.updates_like)
-    return carry
-
-  def normalised(self, sums: Any, weight_sum: jax.Array) -> Any:
-    """The reduced window's mean, where its weight was not known before."""
-    window = self.micro_step.window
-    if window.parallel.weights_are_global or window.reduction != "mean":
-      return sums
-    # The guard keeps a window without weight from computing 0 / 0; such a
-    # window does not step the inner optimizer anyway.
-    scale = 1.0 / jnp.where(weight_sum > 0, weight_sum, 1.0)
-    return jax.tree.map(lambda total: total * scale.astype(total.dtype), sums)
-
-  def close(self, carry: dict[str, Any]) -> dict[str, Any]:
-    """The closing side: add, reduce, normalise, step the optimizer once."""
-    micro_step = self.micro_step
-    window = micro_step.window
-    # A buffer that carries the output is read from the carry, so that it
-    # is overwritten in place rather than copied.
-    grads = carry.get("grads", micro_step.grads)
-    accumulator = carry.get("accumulator", self.opened_accumulator)
-    noise = carry["noise"]
-    if self.adds:
-      noise = window.noise.add(
-        noise, grads, micro_step.weight, micro_step.admitted.accepted,
-        window.parallel,
-      )  # fmt: skip
-      accumulator = micro_step.added(accumulator, grads)
-    sums, total_weight = window.parallel.reduce(
-      accumulator,
-      micro_step.admitted.weight_sum,
-      carry.get("params", micro_step.params),
-    )
-    sums = self.normalised(sums, total_weight)
-    reduced = jax.tree.map(
-      lambda total, grad: total.astype(grad.dtype), sums, micro_step.grads
-    )
-    carry = {**carry, "noise": noise}
-    step = functools.partial(self.step_inner, reduced, total_weight)
-    if window.parallel.weights_are_global:
-      closed = step(carry)
-    else:
-      # Only here is the window's total weight known: an empty window does
-      # not step.
-      closed = run_once.run_once_if(
-        total_weight > 0, step, carry, name=run_once.CLOSE_WINDOW
-      )
-    return {
-      **closed,
-      "noise": window.noise.reset(closed["noise"], jnp.asarray(True)),
-    }
-
-  def step_inner(
-    self, reduced: Any, total_weight: jax.Array, carry: dict[str, Any]
-  ) -> dict[str, Any]:
-    """The wrapped optimizer's one step on the window's reduced gradient."""
-    micro_step = self.micro_step
-    window = micro_step.window
-    params = carry.get("params", micro_step.params)
-    # A state kept in host memory visits the device here, and only here.
-    inner_state = residency.to_device(carry["inner_state"])
-    updates, new_inner_state = window.parallel.inner_update(
-      window.inner, reduced, inner_state, params, micro_step.extra_args
-    )
-    every_k = micro_step.decision.every_k
-    updates = window.lr_scaling.apply(
-      updates, every_k, window.window_length.first()
-    )
-    # Measured in the gradients' own units: the wrapped optimizer's states
-    # tell a loss scale, and a window it dropped.
-    noise, micro_gradients = window.noise.close(
-      carry["noise"],
-      reduced,
-      total_weight,
-      window.parallel,
-      inner_states=(inner_state, new_inner_state),
-    )
-    # Gradients wider than the params (float32 for bfloat16, say) would
-    # widen the optimizer's state; it keeps its dtypes from call to call.
-    new_inner_state = window.inner_state_home.keep(
-      _with_dtypes_of(new_inner_state, inner_state)
-    )
-    next_k = window.window_length.next(
-      every_k,
-      update_step=increment_if(micro_step.state.update_step, jnp.asarray(True)),
-      noise=getattr(noise, "smoothed", None),
-      micro_gradients=micro_gradients,
-      window_weight=total_weight,
-      full=micro_step.decision.micro_step >= micro_step.decision.every_k,
-    )
-    return {
-      **carry,
-      micro_step.carrier: window.output.closing_output(
-        updates, params, carry[micro_step.carrier]
-      ),
-      "inner_state": new_inner_state,
-      "noise": noise,
-      "every_k": next_k,
-      "stepped": jnp.ones((), jnp.bool_),
-    }
-
-
-def _with_dtypes_of(tree: Any, like: Any) -> Any:
-  """``tree`` with each array leaf cast to the dtype of its twin in ``like``."""
-  return jax.tree.map(
-    lambda leaf, twin: (
-      jnp.asarray(leaf).astype(twin.dtype) if hasattr(twin, "dtype") else leaf
-    ),
-    tree,
-    like,
-  )
-
-
-def _weighted(grad: jax.Array, weight: Any, dtype: Any) -> jax.Array:
-  """``weight * grad`` in ``dtype``: a plain cast for weight 1, zeros for 0."""
-  grad = grad.astype(dtype)
-  if isinstance(weight, (int, float)) and weight == 1:
-    return grad
-  weight = jnp.asarray(weight).astype(dtype)
-  # A micro-batch of weight 0 (all padding, say) must add nothing, even
-  # though the gradient of its mean loss is 0 / 0 = NaN: 0 * NaN is NaN.
-  return jnp.where(weight == 0, jnp.zeros_like(grad), weight * grad)

@@ -1,0 +1,145 @@
+"""The arguments of ``accumulate``, checked and resolved into a window.
+
+:func:`resolve` chooses each strategy of a
+:class:`~ga_optax._src.window.window.Window` once: where the window lives
+across devices (:func:`ga_optax._src.placements.resolve`), where the
+accumulator and the optimizer state are kept
+(:class:`~ga_optax._src.placements.residency.Residency`), the output, and
+whether the gradient noise scale is measured. :func:`initializer` and
+:func:`compiled_step` are the window's ``init`` and ``update`` as
+``accumulate`` and ``accumulate_and_apply`` hand them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from ga_optax._src import placements as parallel
+from ga_optax._src import validation
+from ga_optax._src.algebra import noise_scale, weights
+from ga_optax._src.batch_size import adaptive
+from ga_optax._src.batch_size import every_k as every_k_lib
+from ga_optax._src.placements import residency
+from ga_optax._src.recipes import loss_scaling
+from ga_optax._src.window import eager, precision
+from ga_optax._src.window.output import ApplyToParams, EmitUpdates
+from ga_optax._src.window.state import AccumulateState
+from ga_optax._src.window.window import Window
+
+
+def resolve(
+  optimizer: Any,
+  every_k: Any,
+  output: EmitUpdates | ApplyToParams,
+  *,
+  reduction: Any,
+  accumulator_dtype: Any,
+  skip_nonfinite: Any,
+  axis_name: Any,
+  unreduced_axes: Any,
+  accumulator_memory_kind: Any,
+  inner_state_memory_kind: Any,
+  inner_state_axes: Any,
+  noise_scale_decay: Any,
+  lr_scaling: Any,
+) -> Window:
+  """Checks the arguments of :func:`accumulate`; returns the window they ask for."""
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
+  reduction = validation.check_reduction(reduction)
+  decay = noise_scale.check_decay(noise_scale_decay)
+  if decay is not None and reduction != "mean":
+    raise ValueError(
+      "noise_scale_decay measures the spread of the micro-gradients around"
+      " their weighted mean, which reduction='mean' emits; got"
+      f" reduction={reduction!r}."
+    )
+  window_length = every_k_lib.as_window_length(every_k)
+  if isinstance(window_length, adaptive.AdaptiveK) and decay is None:
+    raise ValueError(
+      "every_k=ga_optax.batch_size.adaptive_k(...) follows the measured gradient noise"
+      " scale: pass noise_scale_decay too (for example noise_scale_decay="
+      "0.95, averaging over about 20 windows)."
+    )
+  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  # Points at the user's call of accumulate or accumulate_and_apply.
+  precision.warn_if_accumulator_too_narrow(
+    accumulator_dtype, every_k, stacklevel=3
+  )
+  return Window(
+    inner=validation.check_optimizer(optimizer),
+    window_length=window_length,
+    lr_scaling=adaptive.LearningRateScaling.of(lr_scaling),
+    reduction=reduction,
+    accumulator_dtype=accumulator_dtype,
+    skip_nonfinite=skip_nonfinite,
+    parallel=parallel.resolve(axis_name, unreduced_axes, inner_state_axes),
+    accumulator_home=residency.Residency(
+      residency.check_memory_kind(
+        accumulator_memory_kind, "accumulator_memory_kind"
+      ),
+      field="accumulator",
+      argument="accumulator_memory_kind",
+    ),
+    inner_state_home=residency.Residency(
+      residency.check_memory_kind(
+        inner_state_memory_kind, "inner_state_memory_kind"
+      ),
+      field="inner_state",
+      argument="inner_state_memory_kind",
+    ),
+    output=output,
+    noise=noise_scale.Unmeasured()
+    if decay is None
+    else noise_scale.Measured(decay, units=loss_scaling.gradient_units),
+  )
+
+
+def initializer(window: Window) -> Callable[[optax.Params], AccumulateState]:
+  """``window.init``, refusing what only the wrapped state shows.
+
+  ``skip_nonfinite=True`` around :func:`ga_optax.mixed_precision.dynamic_loss_scale` is
+  refused here: the optimizer is opaque until its state is made.
+  """
+  if not window.skip_nonfinite:
+    return window.init
+
+  def init_fn(params: optax.Params) -> AccumulateState:
+    state = window.init(params)
+    loss_scaling.refuse_skipped_overflows(state.inner_state)
+    return state
+
+  return init_fn
+
+
+def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
+  """``window.update``, compiled once per shapes when called eagerly.
+
+  Under a caller's ``jit`` it runs as written. Called eagerly, a concrete
+  ``weight`` is checked first and passed as an array, so that micro-batches
+  of different sizes share one compiled program.
+  """
+  step = eager.compiled_when_eager(window.update)
+
+  def checked_step(
+    grads: Any,
+    state: Any,
+    params: Any,
+    *,
+    weight: Any,
+    flush: Any,
+    extra_args: dict[str, Any],
+  ) -> tuple[Any, AccumulateState]:
+    if not eager.is_traced((grads, state, params, weight, flush, extra_args)):
+      # In the window's weight dtype: a Python int, a NumPy float and an
+      # int32 array weight then share one compiled program.
+      weight = jnp.asarray(weights.check(weight), window.weight_dtype)
+    return step(
+      grads, state, params, weight=weight, flush=flush, extra_args=extra_args
+    )
+
+  return checked_step

@@ -11,7 +11,7 @@ dropped, and :class:`DynamicLossScaleState` is its state.
 bfloat16 and float8 need no loss scale: see the "Mixed precision" page.
 """
 
-from ga_optax._src.recipes.loss_scaling import (
+from ga_optax._src.mixed_precision.loss_scaling import (
   DynamicLossScaleState,
   dropped_windows,
   dynamic_loss_scale,

@@ -67,6 +67,10 @@ COMPILED_PATHS = "ga_optax/_src/audits/compiled_paths.py"
 HOST_WAITS = "ga_optax/_src/audits/host_waits.py"
 GPU_RECIPE = "ga_optax/_src/recipes/gpu_recipe.py"
 GPU_COMPILE = "ga_optax/_src/audits/gpu_compile.py"
+FLAX_UTILS = "ga_optax/_src/recipes/flax_utils.py"
+WEIGHTS = "ga_optax/_src/algebra/weights.py"
+ARGUMENTS = "ga_optax/_src/window/arguments.py"
+MICRO_STEP = "ga_optax/_src/window/micro_step.py"
 
 MUTANTS: tuple[Mutant, ...] = (
   # Equivalence with the large batch.
@@ -78,8 +82,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "scale = jnp.where(steps, 1.0 / weight_sum, 1.0).astype(scale.dtype)",
-        "scale = jnp.where(steps, 1.0, 1.0).astype(scale.dtype)",
+        "scale = jnp.where(steps, weights.reciprocal(admitted.weight_sum), 1.0)",
+        "scale = jnp.where(steps, 1.0, 1.0)",
       ),
     ),
     tests=(
@@ -103,9 +107,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "weight_sum = state.weight_sum + jnp.asarray(1, self.weight_dtype)",
       ),
       Edit(
-        WINDOW,
-        "added = kept + _weighted(grad, weight, total.dtype)",
-        "added = kept + _weighted(grad, 1, total.dtype)",
+        MICRO_STEP,
+        "added = kept + weights.weighted(grad, weight, total.dtype)",
+        "added = kept + weights.weighted(grad, 1, total.dtype)",
       ),
     ),
     tests=(
@@ -121,12 +125,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "scale = jnp.where(steps, 1.0 / weight_sum, 1.0).astype(scale.dtype)",
-        "scale = jnp.where(\n"
-        "        steps,\n"
-        "        micro_step / (weight_sum * every_k),\n"
-        "        1.0,\n"
-        "      ).astype(scale.dtype)",
+        "scale = jnp.where(steps, weights.reciprocal(admitted.weight_sum), 1.0)",
+        "scale = jnp.where(\n        steps, micro_step / (admitted.weight_sum * every_k), 1.0\n      )",
       ),
     ),
     tests=(
@@ -154,7 +154,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " it: the window emits its last micro-batch's gradient",
     edits=(
       Edit(
-        WINDOW,
+        MICRO_STEP,
         "kept = jnp.where(restarts, jnp.zeros_like(total), total)",
         "kept = jnp.zeros_like(total)",
       ),
@@ -171,7 +171,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "steps = closes & (admitted.weight_sum > 0)",
+        "steps = closes & weights.has_weight(admitted.weight_sum)",
         "steps = closes",
       ),
     ),
@@ -232,7 +232,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " counted micro-steps",
     edits=(
       Edit(
-        WINDOW,
+        MICRO_STEP,
         'update_step=increment_if(state.update_step, closed["stepped"]),',
         "update_step=increment_if(state.update_step, jnp.asarray(True)),",
       ),
@@ -300,7 +300,9 @@ MUTANTS: tuple[Mutant, ...] = (
     " window a GPU closes leaves its last micro-batch out",
     edits=(
       Edit(
-        WINDOW, "      accumulator = micro_step.added(accumulator, grads)\n", ""
+        MICRO_STEP,
+        "      accumulator = micro_step.added(accumulator, grads)\n",
+        "",
       ),
     ),
     tests=(
@@ -316,11 +318,8 @@ MUTANTS: tuple[Mutant, ...] = (
     " hardly change",
     edits=(
       Edit(
-        WINDOW,
-        "      noise = window.noise.add(\n"
-        "        noise, grads, micro_step.weight, micro_step.admitted.accepted,\n"
-        "        window.parallel,\n"
-        "      )  # fmt: skip\n",
+        MICRO_STEP,
+        "      noise = window.noise.add(noise, micro_step.micro_batch(grads))\n",
         "",
       ),
     ),
@@ -389,11 +388,9 @@ MUTANTS: tuple[Mutant, ...] = (
     " accumulator_dtype (float32)",
     edits=(
       Edit(
-        WINDOW,
-        "added = kept + _weighted(grad, weight, total.dtype)",
-        "added = (\n"
-        "        kept.astype(grad.dtype) + _weighted(grad, weight, grad.dtype)\n"
-        "      ).astype(total.dtype)",
+        MICRO_STEP,
+        "added = kept + weights.weighted(grad, weight, total.dtype)",
+        "added = (\n        kept.astype(grad.dtype) + weights.weighted(grad, weight, grad.dtype)\n      ).astype(total.dtype)",
       ),
     ),
     tests=(
@@ -408,7 +405,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " state to float32 at the first window",
     edits=(
       Edit(
-        WINDOW,
+        MICRO_STEP,
         "_with_dtypes_of(new_inner_state, inner_state)",
         "new_inner_state",
       ),
@@ -442,12 +439,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICROBATCH,
-        "      term = term.astype(total.dtype)\n"
-        "      if self.weight_fn is None:\n"
-        "        return total + term\n",
-        "      if self.weight_fn is None:\n"
-        "        return (total.astype(term.dtype) + term).astype(total.dtype)\n"
-        "      term = term.astype(total.dtype)\n",
+        "      return total + weights.weighted(term, factor, total.dtype)\n",
+        "      return (\n        total.astype(term.dtype) + weights.weighted(term, factor, term.dtype)\n      ).astype(total.dtype)\n",
       ),
     ),
     tests=(
@@ -462,8 +455,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICROBATCH,
-        "weighted = weight.astype(total.dtype) * term",
-        "weighted = term",
+        "factor = 1 if self.weight_fn is None else weight",
+        "factor = 1",
       ),
     ),
     tests=(
@@ -478,11 +471,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICROBATCH,
-        "    scale = jnp.where(\n"
-        "      sums.weight > 0, 1.0 / jnp.where(sums.weight > 0, sums.weight, 1.0), 0.0\n"
-        "    )\n"
-        "    grads = jax.tree.map(\n",
-        "    scale = jnp.ones_like(sums.weight)\n    grads = jax.tree.map(\n",
+        "    scale = weights.reciprocal(sums.weight)\n",
+        "    scale = jnp.ones_like(sums.weight)\n",
       ),
     ),
     tests=(
@@ -532,9 +522,9 @@ MUTANTS: tuple[Mutant, ...] = (
     " not send it back to its memory kind",
     edits=(
       Edit(
-        WINDOW,
-        "      accumulator=self.accumulator_home.keep(accumulator),\n",
-        "      accumulator=accumulator,\n",
+        MICRO_STEP,
+        "    accumulator=window.accumulator_home.keep(accumulator),\n",
+        "    accumulator=accumulator,\n",
       ),
     ),
     tests=(
@@ -548,7 +538,7 @@ MUTANTS: tuple[Mutant, ...] = (
     defect="a flushed window's weight decides the next k as a full one does",
     edits=(
       Edit(
-        WINDOW,
+        MICRO_STEP,
         "full=micro_step.decision.micro_step >= micro_step.decision.every_k,",
         "full=jnp.asarray(True),",
       ),
@@ -630,7 +620,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " its own: current_k lags one window behind",
     edits=(
       Edit(
-        WINDOW,
+        MICRO_STEP,
         "      update_step=increment_if(micro_step.state.update_step, jnp.asarray(True)),",
         "      update_step=micro_step.state.update_step,",
       ),
@@ -731,8 +721,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         NOISE_SCALE,
-        "    estimate = estimate._replace(measured=estimate.measured & kept)\n",
-        "",
+        "      measured=estimate.measured & kept,\n",
+        "      measured=estimate.measured,\n",
       ),
     ),
     tests=(
@@ -746,7 +736,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " scale never backs off",
     edits=(
       Edit(
-        "ga_optax/_src/window/transform.py",
+        ARGUMENTS,
         "    loss_scaling.refuse_skipped_overflows(state.inner_state)\n",
         "",
       ),
@@ -762,7 +752,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " 2**16 is inf: every gradient unscales to 0",
     edits=(
       Edit(
-        "ga_optax/_src/recipes/loss_scaling.py",
+        "ga_optax/_src/mixed_precision/loss_scaling.py",
         "  wide = jnp.promote_types(grad.dtype, jnp.float32)",
         "  wide = grad.dtype",
       ),
@@ -779,7 +769,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " reach",
     edits=(
       Edit(
-        "ga_optax/_src/window/precision.py",
+        "ga_optax/_src/mixed_precision/precision.py",
         "    return every_k.max_k",
         "    return every_k.initial_k",
       ),
@@ -806,15 +796,15 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
-    name="negative_weight_dropped_in_step",
+    name="negative_weight_dropped",
     guarantee="equivalence (one rule for negative weights)",
-    defect="the in-step path drops a traced negative weight's micro-batch"
-    " from the gradient sums but keeps its weight",
+    defect="the weight rule drops a traced negative weight's micro-batch"
+    " from the gradient sums (in both paths) but keeps its weight",
     edits=(
       Edit(
-        MICROBATCH,
-        "    has_weight = weight != 0\n",
-        "    has_weight = weight > 0\n",
+        WEIGHTS,
+        "  return jnp.where(weight == 0, jnp.zeros_like(term), weight * term)\n",
+        "  return jnp.where(weight <= 0, jnp.zeros_like(term), weight * term)\n",
       ),
     ),
     tests=(
@@ -845,8 +835,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         NOISE_SCALE,
-        "      jnp.abs(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))) ** 2\n",
-        "      jnp.real(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32)) ** 2)\n",
+        "    jnp.abs(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))) ** 2\n",
+        "    jnp.real(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32)) ** 2)\n",
       ),
     ),
     tests=(
@@ -861,10 +851,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         COLLECTIVE,
-        "    square_sum, micro_gradients = jax.lax.psum(\n"
-        "      (square_sum, micro_gradients), self.axes\n"
-        "    )\n",
-        "",
+        "    return parts.across_axes(value, combine, self.axes)\n",
+        "    return value\n",
       ),
     ),
     tests=(
@@ -879,8 +867,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         UNREDUCED,
-        "weight * devices * square",
-        "weight / devices * square",
+        "leaf_fn(block * devices) / copies",
+        "leaf_fn(block / devices) / copies",
       ),
     ),
     tests=(
@@ -895,8 +883,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         UNREDUCED,
-        "        square = square + noise_scale.square_norm(block) / copies\n",
-        "        square = square + noise_scale.square_norm(block)\n",
+        "        total = total + leaf_fn(block * devices) / copies\n",
+        "        total = total + leaf_fn(block * devices)\n",
       ),
     ),
     tests=(
@@ -966,15 +954,13 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         PARTIAL_SUMS,
-        "  return (state.weight_sum, noise.square_sum, noise.micro_gradients)\n",
-        "  return (state.weight_sum, noise.square_sum)\n",
+        "  return (state.weight_sum, noise.terms)\n",
+        "  return (state.weight_sum, noise.terms.square_sum, noise.terms.weight)\n",
       ),
       Edit(
         PARTIAL_SUMS,
-        "  noise = state.noise_scale._replace(\n"
-        "    square_sum=sums[1], micro_gradients=sums[2]\n"
-        "  )\n",
-        "  noise = state.noise_scale._replace(square_sum=sums[1])\n",
+        "  noise = state.noise_scale._replace(terms=sums[1])\n",
+        "  terms = state.noise_scale.terms._replace(square_sum=sums[1], weight=sums[2])\n  noise = state.noise_scale._replace(terms=terms)\n",
       ),
     ),
     tests=(
@@ -991,10 +977,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         PARTIAL_SUMS,
-        "  noise = state.noise_scale\n"
-        "  if noise is None:\n"
-        "    return (state.weight_sum,)\n"
-        "  return (state.weight_sum, noise.square_sum, noise.micro_gradients)\n",
+        "  noise = state.noise_scale\n  if noise is None:\n    return (state.weight_sum,)\n  return (state.weight_sum, noise.terms)\n",
         "  return (state.weight_sum,)\n",
       ),
       Edit(
@@ -1050,7 +1033,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " without being divided by its total weight",
     edits=(
       Edit(
-        WINDOW,
+        MICRO_STEP,
         'reduction != "mean":\n      return sums\n',
         'reduction == "mean":\n      return sums\n',
       ),
@@ -1067,16 +1050,9 @@ MUTANTS: tuple[Mutant, ...] = (
     " before it is added (the numbers are unchanged)",
     edits=(
       Edit(
-        WINDOW,
+        MICRO_STEP,
         "    window, admitted = self.window, self.admitted\n",
-        "    if self.window.parallel.unreduced_axes:\n"
-        "      from ga_optax._src.placements import axes as axes_lib\n"
-        "\n"
-        "      grads = axes_lib.cast_to_unreduced(\n"
-        "        axes_lib.reduce_unreduced(grads, None),\n"
-        "        self.window.parallel.unreduced_axes,\n"
-        "      )\n"
-        "    window, admitted = self.window, self.admitted\n",
+        "    if self.window.parallel.unreduced_axes:\n      from ga_optax._src.placements import axes as axes_lib\n\n      grads = axes_lib.cast_to_unreduced(\n        axes_lib.reduce_unreduced(grads, None),\n        self.window.parallel.unreduced_axes,\n      )\n    window, admitted = self.window, self.admitted\n",
       ),
     ),
     tests=(
@@ -1090,9 +1066,9 @@ MUTANTS: tuple[Mutant, ...] = (
     " device's own weight, not the sum over the devices",
     edits=(
       Edit(
-        "ga_optax/_src/scan/microbatch_devices.py",
-        "    return Result(value, stacked, aux, weight_sum, None)",
-        "    return Result(value, stacked, aux, sums.weight, None)",
+        MICROBATCH_DEVICES,
+        "    return Result(value, stacked, None, weight_sum, None)",
+        "    return Result(value, stacked, None, sums.weight, None)",
       ),
     ),
     tests=("tests/test_language_model_data_parallel.py",),
@@ -1106,7 +1082,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICROBATCH,
-        "        share = jnp.where(weight > 0, weight / batch_weight, 1.0)",
+        "        share = jnp.where(weights.counts(weight), weight / batch_weight, 1.0)",
         "        share = jnp.ones_like(weight)",
       ),
     ),
@@ -1138,8 +1114,8 @@ MUTANTS: tuple[Mutant, ...] = (
     " device's amaxes instead of the max over every device",
     edits=(
       Edit(
-        "ga_optax/_src/algebra/fp8.py",
-        "    everywhere = across_devices(window, axis_name)\n",
+        FLAX_UTILS,
+        "    everywhere = parts.across_axes(window, part.combine, axis_name)\n",
         "    everywhere = window\n",
       ),
     ),
@@ -1154,7 +1130,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " instead of the window's weight over every device",
     edits=(
       Edit(
-        "ga_optax/_src/algebra/fp8.py",
+        FLAX_UTILS,
         "    weight_sum = jax.lax.psum(weight_sum, axis_name)\n",
         "",
       ),
@@ -1256,8 +1232,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         COMPILED_PATHS,
-        "if require_window and not _holds_a_window(module):",
-        "if not require_window and not _holds_a_window(module):",
+        "  if require_window:\n    _refuse_without_a_window(module)\n",
+        "  if not require_window:\n    _refuse_without_a_window(module)\n",
       ),
     ),
     tests=(

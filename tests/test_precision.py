@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import ga_optax
-from ga_optax._src.window import precision
+from ga_optax._src.mixed_precision import precision
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 

@@ -8,7 +8,7 @@ trace error or, worse, a silently wrong accumulation.
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -229,3 +229,33 @@ def check_array_leaves(tree: Any, name: str) -> None:
       " in place of the rest: tx.init(eqx.filter(model, eqx.is_array)), and"
       " the same filtered tree as params to tx.update."
     )
+
+
+Found = TypeVar("Found")
+
+
+def find_one(state: Any, kind: type[Found], made_by: str) -> Found:
+  """The one node of type ``kind`` inside an optimizer state.
+
+  Args:
+    state: any optimizer state: an ``optax.chain``'s, a Flax
+      ``TrainState``, an NNX ``Optimizer``'s ``opt_state``.
+    kind: the state type to find.
+    made_by: the transformation whose state it is, for the error.
+
+  Raises:
+    ValueError: ``state`` holds no such node, or several.
+  """
+  found = [
+    node
+    for node in jax.tree.leaves(
+      state, is_leaf=lambda node: isinstance(node, kind)
+    )
+    if isinstance(node, kind)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+      f"state must hold exactly one {kind.__name__} (the state of"
+      f" {made_by}), found {len(found)}."
+    )
+  return found[0]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from ga_optax._src import validation
 from ga_optax._src.algebra import noise_scale as noise_lib
+from ga_optax._src.mixed_precision import precision
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.placements import unreduced
 from ga_optax._src.scan import batch_layout
@@ -39,7 +40,7 @@ from ga_optax._src.scan.microbatch_scan import (
   WeightFn,
   Weighting,
 )
-from ga_optax._src.window import eager, precision
+from ga_optax._src.window import eager
 
 
 def _check_options(

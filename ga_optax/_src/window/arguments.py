@@ -12,6 +12,7 @@ whether the gradient noise scale is measured. :func:`initializer` and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,9 @@ from ga_optax._src import validation
 from ga_optax._src.algebra import noise_scale, weights
 from ga_optax._src.batch_size import adaptive
 from ga_optax._src.batch_size import every_k as every_k_lib
+from ga_optax._src.mixed_precision import loss_scaling, precision
 from ga_optax._src.placements import residency
-from ga_optax._src.recipes import loss_scaling
-from ga_optax._src.window import eager, precision
+from ga_optax._src.window import eager, micro_step
 from ga_optax._src.window.output import ApplyToParams, EmitUpdates
 from ga_optax._src.window.state import AccumulateState
 from ga_optax._src.window.window import Window
@@ -117,13 +118,13 @@ def initializer(window: Window) -> Callable[[optax.Params], AccumulateState]:
 
 
 def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
-  """``window.update``, compiled once per shapes when called eagerly.
+  """One ``update`` call of ``window``, compiled once per shapes when eager.
 
   Under a caller's ``jit`` it runs as written. Called eagerly, a concrete
   ``weight`` is checked first and passed as an array, so that micro-batches
   of different sizes share one compiled program.
   """
-  step = eager.compiled_when_eager(window.update)
+  step = eager.compiled_when_eager(functools.partial(micro_step.update, window))
 
   def checked_step(
     grads: Any,

@@ -24,7 +24,7 @@ sees that a branch which hands its operands back needs no copy, and it
 splits the elementwise work of a conditional's branch over the cores, but
 not that of a loop body. :mod:`ga_optax._src.window.window_form` makes that
 choice, in one place for the whole window (which on the CPU also adds the
-gradient outside any branch: :meth:`ga_optax._src.window.window.MicroStep.add_first`).
+gradient outside any branch: :meth:`ga_optax._src.window.micro_step.MicroStep.add_first`).
 
 A loop has no reverse-mode derivative, the conditional has one, and both
 compute the same function: the branch's derivative rule

@@ -9,20 +9,19 @@ takes any optimizer state holding exactly one (an ``optax.chain``'s, a Flax
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from ga_optax._src import validation
 from ga_optax._src.algebra.noise_scale import (
   NoiseScale,
   NoiseScaleAverages,
   WindowNoise,
   read,
 )
-
-Found = TypeVar("Found")
 
 
 class AccumulateState(NamedTuple):
@@ -94,40 +93,13 @@ def check_state(state: Any) -> AccumulateState:
   return state
 
 
-def find_one(state: Any, kind: type[Found], made_by: str) -> Found:
-  """The one node of type ``kind`` inside an optimizer state.
-
-  Args:
-    state: any optimizer state: an ``optax.chain``'s, a Flax
-      ``TrainState``, an NNX ``Optimizer``'s ``opt_state``.
-    kind: the state type to find.
-    made_by: the transformation whose state it is, for the error.
-
-  Raises:
-    ValueError: ``state`` holds no such node, or several.
-  """
-  found = [
-    node
-    for node in jax.tree.leaves(
-      state, is_leaf=lambda node: isinstance(node, kind)
-    )
-    if isinstance(node, kind)
-  ]
-  if len(found) != 1:
-    raise ValueError(
-      f"state must hold exactly one {kind.__name__} (the state of"
-      f" {made_by}), found {len(found)}."
-    )
-  return found[0]
-
-
 def find_state(state: Any) -> AccumulateState:
   """The one :class:`AccumulateState` inside an optimizer state.
 
   Raises:
     ValueError: ``state`` holds no ``AccumulateState``, or several.
   """
-  return find_one(state, AccumulateState, "ga_optax.accumulate")
+  return validation.find_one(state, AccumulateState, "ga_optax.accumulate")
 
 
 def emitted(state: Any) -> jax.Array:

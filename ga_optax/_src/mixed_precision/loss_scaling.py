@@ -32,8 +32,7 @@ import numpy as np
 import optax
 
 from ga_optax._src import validation
-from ga_optax._src.window.counters import increment_if
-from ga_optax._src.window.state import find_one
+from ga_optax._src.algebra.counters import increment_if
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -342,7 +341,7 @@ def find_loss_scale_state(state: Any) -> DynamicLossScaleState:
   Raises:
     ValueError: ``state`` holds none, or several.
   """
-  return find_one(
+  return validation.find_one(
     state, DynamicLossScaleState, "ga_optax.mixed_precision.dynamic_loss_scale"
   )
 

@@ -101,7 +101,7 @@ def warn_if_accumulator_too_narrow(
   Example:
     >>> import warnings
     >>> import jax.numpy as jnp
-    >>> from ga_optax._src.window.precision import warn_if_accumulator_too_narrow
+    >>> from ga_optax._src.mixed_precision.precision import warn_if_accumulator_too_narrow
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")
     ...   warn_if_accumulator_too_narrow(jnp.bfloat16, 300)
@@ -197,7 +197,7 @@ def warn_if_state_range_too_narrow(
     >>> import warnings
     >>> import jax.numpy as jnp
     >>> import optax
-    >>> from ga_optax._src.window.precision import warn_if_state_range_too_narrow
+    >>> from ga_optax._src.mixed_precision.precision import warn_if_state_range_too_narrow
     >>> state = optax.adam(1e-3).init(jnp.zeros(3, jnp.float16))
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")

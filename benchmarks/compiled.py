@@ -47,9 +47,6 @@ import optax  # noqa: E402
 
 from benchmarks import workloads as workloads_lib  # noqa: E402
 from benchmarks.compiled_steps import (  # noqa: E402
-  TARGETS as TARGETS,
-)
-from benchmarks.compiled_steps import (  # noqa: E402
   audit,
   ratios,
   steps,

@@ -37,9 +37,6 @@ there; elsewhere they are skipped with the command that enables them.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
-import sys
 from typing import Any
 
 import jax
@@ -51,6 +48,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
+from benchmarks import compiled_steps
+from benchmarks import workloads as workloads_lib
 from ga_optax import testing
 from ga_optax._src.window import run_once
 
@@ -433,18 +432,6 @@ def test_without_collectives_the_closing_side_stays_on_the_host():
 # contract, on deterministic compiler figures.
 
 
-def load_benchmark(name: str) -> Any:
-  root = pathlib.Path(__file__).resolve().parent.parent
-  spec = importlib.util.spec_from_file_location(
-    f"benchmark_{name}", root / "benchmarks" / f"{name}.py"
-  )
-  assert spec is not None and spec.loader is not None
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
-
-
 # The one target missed, and where: from jax 0.12 on, XLA:GPU compiles
 # optax.MultiSteps' micro-step into 208.3 MiB instead of 232.3, while an
 # accumulate micro-step stays at 144.3 (the gradient is written, then added:
@@ -468,10 +455,9 @@ def target_on_this_jax(row: dict[str, Any]) -> float:
 
 @pytest.mark.parametrize("options", ["recipe", "default"])
 def test_bytes_moved_meet_the_targets(options):
-  benchmark = load_benchmark("compiled")
-  workload = benchmark.workloads_lib.mlp(1024, 4, 8, 4)
+  workload = workloads_lib.mlp(1024, 4, 8, 4)
   records = {
-    name: benchmark.audit(
+    name: compiled_steps.audit(
       compiled_for_gpu(
         step,
         workload.params,
@@ -481,10 +467,10 @@ def test_bytes_moved_meet_the_targets(options):
         compiler_options=OPTIONS[options],
       )
     )
-    for name, (step, state, batch) in benchmark.steps(workload).items()
+    for name, (step, state, batch) in compiled_steps.steps(workload).items()
   }
-  rows = benchmark.ratios(records)
-  assert len(rows) == len(benchmark.TARGETS)
+  rows = compiled_steps.ratios(records)
+  assert len(rows) == len(compiled_steps.TARGETS)
   for row in rows:
     assert 0 < row["ratio"] <= target_on_this_jax(row), row
   for name in (

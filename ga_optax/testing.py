@@ -258,12 +258,12 @@ def compare_with_large_batch(
   The relative difference cannot judge a leaf whose gradient is structurally
   zero, so that only float rounding noise reaches it. An attention block's
   key bias is the common case, in every transformer whose attention has
-  one: softmax ignores a shift shared by every key. Adam-like optimizers (Adam, AdamW, RMSProp,
-  Lion...) divide that noise by its own magnitude and take full-size steps
-  of random sign in both runs; with any optimizer, a leaf that starts at
-  zero is compared with values that are themselves noise. No tolerance,
-  relative to the leaf or to how far training moved it, tells such a leaf
-  apart from a defect. Leave it out with ``exclude``; every other leaf is
+  one: softmax ignores a shift shared by every key. Adam-like optimizers (Adam,
+  AdamW, RMSProp, Lion...) divide that noise by its own magnitude and take
+  full-size steps of random sign in both runs; with any optimizer, a leaf that
+  starts at zero is compared with values that are themselves noise. No
+  tolerance, relative to the leaf or to how far training moved it, tells such a
+  leaf apart from a defect. Leave it out with ``exclude``; every other leaf is
   still held to the tolerance, and the result lists what was left out.
 
   Args:

@@ -43,7 +43,7 @@ from ga_optax._src.algebra import parts, weights
 
 
 class NoiseScale(NamedTuple):
-  """The smoothed gradient noise scale, as :func:`ga_optax.noise_scale` reads it.
+  """Smoothed gradient noise scale, as :func:`ga_optax.noise_scale` reads it.
 
   Attributes:
     b_simple: ``trace_sigma / grad_sq``, the simple noise scale, an estimate
@@ -82,7 +82,7 @@ class NoiseScaleEstimate(NamedTuple):
 
 
 class NoiseScaleAverages(NamedTuple):
-  """Exponential moving averages of window estimates, read by :func:`ga_optax.noise_scale`.
+  """Moving averages of window estimates, read by :func:`ga_optax.noise_scale`.
 
   Attributes:
     grad_sq: the average of ``grad_sq`` estimates, not yet debiased.

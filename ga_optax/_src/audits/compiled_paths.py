@@ -3,8 +3,8 @@
 An accumulation step has two paths through its program: the micro-step that
 keeps the window open, and the call that closes it. Each side of ga_optax's
 window is a loop of at most one trip named by its scope
-(:mod:`ga_optax._src.window.run_once`); a path runs one of them once and the other
-not at all. :func:`path_audit` walks a compiled program's text along one
+(:mod:`ga_optax._src.window.run_once`); a path runs one of them once and the
+other not at all. :func:`path_audit` walks a compiled program's text along one
 path and reports what it executes there:
 
 * bytes moved, the compiler-level cost model of a memory-bound step: each
@@ -211,7 +211,8 @@ def path_audit(
     ...   return optax.apply_updates(params, updates), state
     >>> compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
     ...     params, tx.init(params), params).compile()
-    >>> micro, closing = (path_audit(compiled, p) for p in ("micro_step", "closing"))
+    >>> micro, closing = (
+    ...     path_audit(compiled, p) for p in ("micro_step", "closing"))
     >>> micro.bytes_moved < closing.bytes_moved  # Adam runs only when closing
     True
     >>> micro.misplaced_closing_work

@@ -5,8 +5,8 @@ after sharding propagation and SPMD partitioning: its collectives are the
 cross-device traffic, and its array shapes are per device. :func:`parse_hlo`
 turns that text into computations and instructions, :func:`reachable` follows
 the calls from one computation, and :func:`collectives_in_hlo` lists the
-collectives of a set of computations; :mod:`ga_optax._src.audits.hlo_audits` asks a
-data-parallel step's questions with them.
+collectives of a set of computations; :mod:`ga_optax._src.audits.hlo_audits`
+asks a data-parallel step's questions with them.
 """
 
 from __future__ import annotations
@@ -309,8 +309,8 @@ def window_side(instruction: HloInstruction) -> str | None:
 
   Each side of ga_optax's window is a loop of at most one trip (a
   conditional on the CPU), a branch rather than a loop, named by a scope of
-  :mod:`ga_optax._src.window.run_once`: its ``op_name`` ends in that scope and the
-  op, possibly through the platform choice (``cond/branch_N_fun``) and
+  :mod:`ga_optax._src.window.run_once`: its ``op_name`` ends in that scope and
+  the op, possibly through the platform choice (``cond/branch_N_fun``) and
   scopes JAX adds around a call (``eval_jaxpr``). Loops and conditionals
   inside a side's body are not sides.
   """

@@ -72,7 +72,8 @@ def window_collectives(hlo_text: str) -> WindowCollectives:
     ...   updates, state = tx.update(grads, state, params)
     ...   return optax.apply_updates(params, updates), state
     >>> params = jnp.zeros(3)
-    >>> compiled = jax.jit(step).lower(params, tx.init(params), params).compile()
+    >>> compiled = jax.jit(step).lower(
+    ...     params, tx.init(params), params).compile()
     >>> found = window_collectives(compiled.as_text())
     >>> found.every_micro_step, found.window_closing  # nothing on one device
     ([], [])

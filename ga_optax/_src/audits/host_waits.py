@@ -143,7 +143,8 @@ def host_waits(
     ...   updates, state = tx.update(grads, state, params)
     ...   return optax.apply_updates(params, updates), state
     >>> args = (params, tx.init(params), params)
-    >>> testing.host_waits(step, *args, donate_argnums=(0, 1)).micro_step  # doctest: +SKIP
+    >>> testing.host_waits(  # doctest: +SKIP
+    ...     step, *args, donate_argnums=(0, 1)).micro_step
     3
     >>> testing.host_waits(  # doctest: +SKIP
     ...     step, *args, donate_argnums=(0, 1),
@@ -251,10 +252,10 @@ def _read_dump(dump: pathlib.Path) -> tuple[str, str]:
   metadata = sorted(dump.glob("*.thunk_metadata.txt"))
   if len(metadata) != 1:
     raise RuntimeError(
-      f"expected XLA:GPU to dump the thunks of one module, found {len(metadata)}"
-      " thunk metadata files: a persistent compilation cache that already"
-      " held the program skips the compiler (disable it for this call), and"
-      " a JAX too old to dump thunk sequences cannot be audited."
+      "expected XLA:GPU to dump the thunks of one module, found"
+      f" {len(metadata)} thunk metadata files: a persistent compilation cache"
+      " that already held the program skips the compiler (disable it for this"
+      " call), and a JAX too old to dump thunk sequences cannot be audited."
     )
   module = metadata[0].name.removesuffix(".thunk_metadata.txt")
   # The passes (command buffers among them) rewrite the sequence XLA first

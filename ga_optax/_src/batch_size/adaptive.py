@@ -1,8 +1,8 @@
 """The batch size, closed loop: k follows the noise scale, the step follows k.
 
 A window already measures the gradient noise scale ``B_simple``, an estimate
-of the critical batch size (:mod:`ga_optax._src.algebra.noise_scale`). Here the run
-acts on it: :func:`adaptive_k` is an ``every_k`` whose k doubles (by
+of the critical batch size (:mod:`ga_optax._src.algebra.noise_scale`). Here the
+run acts on it: :func:`adaptive_k` is an ``every_k`` whose k doubles (by
 ``factor``) when a full window closes with ``B_simple`` at least ``factor``
 times its total weight, the batch it held, and (with ``min_k``) halves when
 ``B_simple`` falls below the batch over ``factor``; and
@@ -32,7 +32,7 @@ from ga_optax._src.algebra import noise_scale as noise_lib
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveK:
-  """An ``every_k`` that follows the measured noise scale (see :func:`adaptive_k`).
+  """An ``every_k`` following the measured noise scale (see :func:`adaptive_k`).
 
   Attributes:
     initial_k: the first window's k.
@@ -139,7 +139,7 @@ def adaptive_k(
   factor: int = 2,
   threshold: float = 1.0,
 ) -> AdaptiveK:
-  """An ``every_k`` for :func:`ga_optax.accumulate` that follows the noise scale.
+  """An ``every_k`` for :func:`ga_optax.accumulate` following the noise scale.
 
   When a window closes by count, with the smoothed ``B_simple`` of
   :func:`ga_optax.noise_scale` (this window folded in), that window's total
@@ -265,7 +265,7 @@ class LearningRateScaling:
     return cls(lr_scaling)
 
   def apply(self, updates: Any, k: jax.Array, first_k: jax.Array) -> Any:
-    """``updates`` scaled for a window of ``k`` (the first one's ``first_k``)."""
+    """``updates`` scaled for a window of ``k`` (the first's ``first_k``)."""
     if self.rule is None:
       return updates
     ratio = k.astype(jnp.float32) / first_k.astype(jnp.float32)

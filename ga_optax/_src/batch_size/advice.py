@@ -180,7 +180,8 @@ def suggested_k(
     >>> import ga_optax
     >>> ga_optax.batch_size.suggested_k(126.4, 16, max_k=64)  # 126.4 / 16 = 7.9
     8
-    >>> ga_optax.batch_size.suggested_k(88.0, 16, max_k=64)  # 5.5: nearer 4 than 8
+    >>> ga_optax.batch_size.suggested_k(
+    ...     88.0, 16, max_k=64)  # 5.5: nearer 4 than 8
     4
     >>> ga_optax.batch_size.suggested_k(float("nan"), 16, max_k=64)
     1

@@ -36,7 +36,7 @@ from ga_optax._src.algebra.counters import increment_if
 
 
 class DynamicLossScaleState(NamedTuple):
-  """State of :func:`ga_optax.mixed_precision.dynamic_loss_scale`: a plain pytree.
+  """Plain pytree state of :func:`ga_optax.mixed_precision.dynamic_loss_scale`.
 
   "Window" below means one ``update`` call of the transformation: a closed
   window inside :func:`ga_optax.accumulate`, a step when it is used alone.
@@ -204,10 +204,10 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Unscales a loss-scaled gradient, steps ``optimizer`` if it is finite.
 
-  The train step multiplies its loss by :func:`ga_optax.mixed_precision.loss_scale` of the
-  optimizer state before differentiating, and hands the (scaled) gradient
-  to ``update``. Each ``update`` call divides the gradient by the scale and
-  then:
+  The train step multiplies its loss by
+  :func:`ga_optax.mixed_precision.loss_scale` of the optimizer state before
+  differentiating, and hands the (scaled) gradient to ``update``. Each
+  ``update`` call divides the gradient by the scale and then:
 
   * if every element is finite: runs ``optimizer`` on the unscaled
     gradient and returns its updates; after ``growth_interval`` such calls
@@ -276,7 +276,8 @@ def dynamic_loss_scale(
     ...     optax.sgd(0.1), initial_scale=1024.0, growth_interval=2)
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)
-    >>> scaled = ga_optax.mixed_precision.loss_scale(state) * jnp.array([1.0, 2.0])
+    >>> scale = ga_optax.mixed_precision.loss_scale(state)
+    >>> scaled = scale * jnp.array([1.0, 2.0])
     >>> updates, state = tx.update(scaled, state, params)
     >>> updates
     Array([-0.1, -0.2], dtype=float32)
@@ -400,8 +401,8 @@ def refuse_skipped_overflows(inner_state: Any) -> None:
       " dynamic_loss_scale it wraps never sees an overflow and never backs"
       " its scale off: under a scale too large every micro-step is dropped"
       " and nothing is applied. Pass skip_nonfinite=False (the default):"
-      " ga_optax.mixed_precision.dynamic_loss_scale drops a window whose gradient is not"
-      " finite and backs off by itself."
+      " ga_optax.mixed_precision.dynamic_loss_scale drops a window whose"
+      " gradient is not finite and backs off by itself."
     )
 
 
@@ -409,7 +410,8 @@ def loss_scale(state: Any) -> jax.Array:
   """The loss scale to multiply the loss by, before taking its gradient.
 
   Multiply the loss in float32 (a float16 loss would overflow at the scale
-  itself): ``loss_fn(params, batch) * ga_optax.mixed_precision.loss_scale(opt_state)``.
+  itself):
+  ``loss_fn(params, batch) * ga_optax.mixed_precision.loss_scale(opt_state)``.
   Inside :func:`ga_optax.accumulate` the scale changes only when a window
   closes, so every micro-batch of a window gets the same one.
 
@@ -464,7 +466,8 @@ def dropped_windows(state: Any) -> jax.Array:
     >>> state = tx.init(params)
     >>> for grad in ([1.0, jnp.inf], [1.0, 1.0]):
     ...   _, state = tx.update(jnp.array(grad), state, params)
-    >>> int(ga_optax.mixed_precision.dropped_windows(state)), float(ga_optax.mixed_precision.loss_scale(state))
+    >>> (int(ga_optax.mixed_precision.dropped_windows(state)),
+    ...  float(ga_optax.mixed_precision.loss_scale(state)))
     (1, 16384.0)
   """
   return jnp.asarray(find_loss_scale_state(state).dropped_windows)

@@ -61,11 +61,11 @@ def warn_if_accumulator_too_narrow(
   """Warns when ``accumulator_dtype`` cannot sum windows of ``every_k``.
 
   Emits a ``UserWarning`` when the largest k that ``every_k`` allows (the
-  int, the largest value of a dict, or an adaptive k's ``max_k``) is at least ``2**(p - 2)`` for an
-  accumulator with p significant bits: 64 for bfloat16 (p = 8), 512 for
-  float16 (p = 11), 2**22 for float32. A callable ``every_k`` is not
-  looked at: its values are only known inside the traced step, so no
-  warning is possible for it.
+  int, the largest value of a dict, or an adaptive k's ``max_k``) is at least
+  ``2**(p - 2)`` for an accumulator with p significant bits: 64 for bfloat16
+  (p = 8), 512 for float16 (p = 11), 2**22 for float32. A callable
+  ``every_k`` is not looked at: its values are only known inside the traced
+  step, so no warning is possible for it.
 
   Measured through ``ga_optax.accumulate`` (SGD with learning rate 1, so
   the update is minus the emitted mean; float32 gradients in):
@@ -101,7 +101,8 @@ def warn_if_accumulator_too_narrow(
   Example:
     >>> import warnings
     >>> import jax.numpy as jnp
-    >>> from ga_optax._src.mixed_precision.precision import warn_if_accumulator_too_narrow
+    >>> from ga_optax._src.mixed_precision.precision import (
+    ...     warn_if_accumulator_too_narrow)
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")
     ...   warn_if_accumulator_too_narrow(jnp.bfloat16, 300)
@@ -197,7 +198,8 @@ def warn_if_state_range_too_narrow(
     >>> import warnings
     >>> import jax.numpy as jnp
     >>> import optax
-    >>> from ga_optax._src.mixed_precision.precision import warn_if_state_range_too_narrow
+    >>> from ga_optax._src.mixed_precision.precision import (
+    ...     warn_if_state_range_too_narrow)
     >>> state = optax.adam(1e-3).init(jnp.zeros(3, jnp.float16))
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")
@@ -215,9 +217,9 @@ def warn_if_state_range_too_narrow(
     " optimizers average (Adam's nu) flush to zero there, and so does"
     " Adam's default eps of 1e-8, so the update divides by zero (optax.adam"
     " on float16 params: infinite updates from the first step for gradients"
-    " of magnitude 5e-3 or less). Keep the optimizer's state in float32: float32 master"
-    " params, or an init from float32 copies of the params (see the"
-    " bfloat16 recipe in docs/how-to/mixed-precision.md).",
+    " of magnitude 5e-3 or less). Keep the optimizer's state in float32:"
+    " float32 master params, or an init from float32 copies of the params"
+    " (see the bfloat16 recipe in docs/how-to/mixed-precision.md).",
     UserWarning,
     stacklevel=stacklevel + 1,
   )

@@ -38,7 +38,7 @@ def as_axes(axes: Any, name: str) -> Axes:
 
 
 def mesh_axis_types() -> dict[str, AxisType]:
-  """The axis types of the mesh set with ``jax.set_mesh`` (or the tracing one)."""
+  """Axis types of the mesh set with ``jax.set_mesh`` (or the tracing one)."""
   mesh = jax.sharding.get_abstract_mesh()
   return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
 

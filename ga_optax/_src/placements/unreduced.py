@@ -58,7 +58,7 @@ class StatePlacement(Protocol):
 
 
 class WholeState:
-  """The optimizer state as ``inner.init`` makes it: whole where the params are."""
+  """Optimizer state as ``inner.init`` makes it: whole where the params are."""
 
   def check_mesh(self) -> None:
     """Nothing to check."""

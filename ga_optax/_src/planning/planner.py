@@ -4,8 +4,8 @@ Instead of trying batch sizes until one runs out of memory, the planner
 compiles the accumulation micro-step for candidate micro-batch sizes on
 abstract inputs (nothing is allocated or run) and reads the bytes the
 executable needs from ``compiled.memory_analysis()``. A binary search over
-sizes finds the largest that fits the budget; ``num_microbatches`` follows from the
-global batch wanted.
+sizes finds the largest that fits the budget; ``num_microbatches`` follows from
+the global batch wanted.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class MicrobatchPlan(NamedTuple):
   Attributes:
     micro_batch_size: the largest micro-batch size that fits the budget (a
       divisor of ``global_batch_size`` when one was given).
-    num_microbatches: micro-steps per window, ``global_batch_size // micro_batch_size``;
-      None when no ``global_batch_size`` was given.
+    num_microbatches: micro-steps per window,
+      ``global_batch_size // micro_batch_size``; None when no
+      ``global_batch_size`` was given.
     compiled_bytes: device bytes the micro-step needs at that size
       (see :func:`micro_step_bytes`).
     next_size: the next candidate size up, which does not fit; None when
@@ -261,11 +262,11 @@ def plan_microbatch(
   Compiles (never runs) the micro-step of :func:`micro_step_bytes` for
   candidate sizes and binary-searches the largest whose bytes are at most
   ``memory_budget_bytes``: every divisor of ``global_batch_size`` when it is
-  given (so that ``num_microbatches * micro_batch_size == global_batch_size``), else every
-  size up to ``max_micro_batch_size``. The search assumes that bytes grow with the
-  micro-batch size, as activations do, from the first size that fits; the
-  plan reports the next size up, which does not fit, so the boundary can be
-  checked.
+  given (so that ``num_microbatches * micro_batch_size == global_batch_size``),
+  else every size up to ``max_micro_batch_size``. The search assumes that bytes
+  grow with the micro-batch size, as activations do, from the first size that
+  fits; the plan reports the next size up, which does not fit, so the boundary
+  can be checked.
 
   Leave headroom in the budget for what the analysis does not see: the
   runtime's own allocations, fragmentation, and other live arrays. State kept
@@ -279,12 +280,13 @@ def plan_microbatch(
     example_batch: a batch pytree whose leaves share a leading batch axis;
       only shapes and dtypes are used.
     memory_budget_bytes: the device bytes one micro-step may use.
-    global_batch_size: the effective batch wanted; the plan's ``num_microbatches`` then
-      reaches it exactly.
+    global_batch_size: the effective batch wanted; the plan's
+      ``num_microbatches`` then reaches it exactly.
     optimizer: the optimizer that ``ga_optax.accumulate`` will wrap (its
       state counts against the budget), or None for gradient accumulation
       alone.
-    max_micro_batch_size: the largest size tried when ``global_batch_size`` is None.
+    max_micro_batch_size: the largest size tried when ``global_batch_size`` is
+      None.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     accumulator_memory_kind: the memory kind ``ga_optax.accumulate`` will
       keep the accumulator in (``"pinned_host"``, say); None for device

@@ -86,7 +86,8 @@ def gpu_compiler_options(*, collectives: bool = True) -> dict[str, str]:
     >>> params = {"w": jnp.ones((4, 4))}
     >>> grads = {"w": jnp.full((4, 4), 0.5)}
     >>> params, state = train_step(params, tx.init(params), grads)
-    >>> "WHILE" in ga_optax.gpu_compiler_options()["xla_gpu_enable_command_buffer"]
+    >>> options = ga_optax.gpu_compiler_options()
+    >>> "WHILE" in options["xla_gpu_enable_command_buffer"]
     True
   """
   if not isinstance(collectives, bool):

@@ -259,7 +259,8 @@ def microbatched_value_and_grad(
     >>> w = jnp.array([0.1, -0.2])
     >>> loss, grads = ga_optax.microbatched_value_and_grad(loss_fn, 4)(w, batch)
     >>> full_loss, full_grads = jax.value_and_grad(loss_fn)(w, batch)
-    >>> bool(jnp.allclose(loss, full_loss)), bool(jnp.allclose(grads, full_grads))
+    >>> (bool(jnp.allclose(loss, full_loss)),
+    ...  bool(jnp.allclose(grads, full_grads)))
     (True, True)
 
     Time-major inputs hold the batch on axis 1; a shared leaf has None:

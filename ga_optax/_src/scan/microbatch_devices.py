@@ -1,4 +1,4 @@
-"""Where the in-step scan runs: one device, a caller's map, or each device's rows.
+"""Where the in-step scan runs: a device, a caller's map, or each device's rows.
 
 On several devices the scan runs per device, on each device's own entries,
 and the sums are reduced once after it: inside a ``jax.shard_map`` (or

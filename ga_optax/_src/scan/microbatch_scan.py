@@ -1,4 +1,4 @@
-"""One device's micro-batches: a ``lax.scan`` that sums their weighted gradients.
+"""One device's micro-batches: a ``lax.scan`` summing their weighted gradients.
 
 Three ideas, one class each: what a micro-batch computes (its loss and
 gradient, :class:`MicrobatchLoss`), how the micro-batches are weighed into

@@ -48,7 +48,7 @@ def resolve(
   noise_scale_decay: Any,
   lr_scaling: Any,
 ) -> Window:
-  """Checks the arguments of :func:`accumulate`; returns the window they ask for."""
+  """Checks :func:`accumulate`'s arguments; returns the window they ask for."""
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
   reduction = validation.check_reduction(reduction)
@@ -62,9 +62,9 @@ def resolve(
   window_length = every_k_lib.as_window_length(every_k)
   if isinstance(window_length, adaptive.AdaptiveK) and decay is None:
     raise ValueError(
-      "every_k=ga_optax.batch_size.adaptive_k(...) follows the measured gradient noise"
-      " scale: pass noise_scale_decay too (for example noise_scale_decay="
-      "0.95, averaging over about 20 windows)."
+      "every_k=ga_optax.batch_size.adaptive_k(...) follows the measured"
+      " gradient noise scale: pass noise_scale_decay too (for example"
+      " noise_scale_decay=0.95, averaging over about 20 windows)."
     )
   accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
   # Points at the user's call of accumulate or accumulate_and_apply.
@@ -103,8 +103,9 @@ def resolve(
 def initializer(window: Window) -> Callable[[optax.Params], AccumulateState]:
   """``window.init``, refusing what only the wrapped state shows.
 
-  ``skip_nonfinite=True`` around :func:`ga_optax.mixed_precision.dynamic_loss_scale` is
-  refused here: the optimizer is opaque until its state is made.
+  ``skip_nonfinite=True`` around
+  :func:`ga_optax.mixed_precision.dynamic_loss_scale` is refused here: the
+  optimizer is opaque until its state is made.
   """
   if not window.skip_nonfinite:
     return window.init

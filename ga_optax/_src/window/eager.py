@@ -31,7 +31,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def is_traced(tree: Any) -> bool:
-  """Whether any leaf of ``tree`` is a tracer (we are inside a transformation)."""
+  """Whether any leaf of ``tree`` is a tracer (we are in a transformation)."""
   return any(
     isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree)
   )

@@ -31,7 +31,7 @@ class EmitUpdates:
   """
 
   def carrier(self, updates_like: Any, carriers: dict[str, Any]) -> str:
-    """The name of the buffer the output is written into; ``"zeros"`` if none."""
+    """The name of the buffer the output is written to; ``"zeros"`` if none."""
     for name, operand in carriers.items():
       if _fits_exactly(updates_like, operand):
         return name

@@ -24,7 +24,8 @@ sees that a branch which hands its operands back needs no copy, and it
 splits the elementwise work of a conditional's branch over the cores, but
 not that of a loop body. :mod:`ga_optax._src.window.window_form` makes that
 choice, in one place for the whole window (which on the CPU also adds the
-gradient outside any branch: :meth:`ga_optax._src.window.micro_step.MicroStep.add_first`).
+gradient outside any branch:
+:meth:`ga_optax._src.window.micro_step.MicroStep.add_first`).
 
 A loop has no reverse-mode derivative, the conditional has one, and both
 compute the same function: the branch's derivative rule
@@ -33,8 +34,8 @@ works under ``jax.jit`` in either form, while a step that is not
 differentiated keeps its loops.
 
 Either way the branch is named (``jax.named_scope``): the compiled
-program's audits (:mod:`ga_optax._src.audits.compiled_paths`) find it by its name
-and know which side a micro-step takes.
+program's audits (:mod:`ga_optax._src.audits.compiled_paths`) find it by its
+name and know which side a micro-step takes.
 """
 
 from __future__ import annotations

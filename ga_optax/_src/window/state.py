@@ -25,7 +25,7 @@ from ga_optax._src.algebra.noise_scale import (
 
 
 class AccumulateState(NamedTuple):
-  """State of :func:`ga_optax.accumulate`: a plain pytree that jits and checkpoints.
+  """State of :func:`ga_optax.accumulate`: a plain pytree to jit and checkpoint.
 
   Attributes:
     micro_step: int32, micro-steps held by the open window (0 right after a
@@ -35,8 +35,8 @@ class AccumulateState(NamedTuple):
       :func:`ga_optax.applied_updates`).
     every_k: int32, the k of the open window, decided when the previous
       window closed (read it with :func:`ga_optax.current_k`). With
-      :func:`ga_optax.batch_size.adaptive_k` the windows so far decided it; with a
-      schedule the schedule does: a state resumed under another ``every_k``
+      :func:`ga_optax.batch_size.adaptive_k` the windows so far decided it; with
+      a schedule the schedule does: a state resumed under another ``every_k``
       closes its windows by the new one from its next call, and holds the
       new k from the next window on.
     num_skipped: int32, non-finite micro-steps dropped by
@@ -109,8 +109,8 @@ def emitted(state: Any) -> jax.Array:
   held no weight (nothing is applied then).
 
   True whenever the wrapped optimizer ran, whatever it decided: a window
-  that :func:`ga_optax.mixed_precision.dynamic_loss_scale` drops (float16 overflow) emits
-  zero updates with ``emitted`` True, and counts in
+  that :func:`ga_optax.mixed_precision.dynamic_loss_scale` drops (float16
+  overflow) emits zero updates with ``emitted`` True, and counts in
   :func:`ga_optax.applied_updates`, as PyTorch's loop counter moves on past a
   skipped ``scaler.step``; schedules of k move on with it. The wrapped
   optimizer decides the drop where ``accumulate`` cannot see it:
@@ -128,7 +128,8 @@ def emitted(state: Any) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
-    >>> tx = optax.chain(optax.clip(1.0), ga_optax.accumulate(optax.sgd(1.0), 1))
+    >>> tx = optax.chain(
+    ...     optax.clip(1.0), ga_optax.accumulate(optax.sgd(1.0), 1))
     >>> params = jnp.zeros(2)
     >>> _, state = tx.update(jnp.ones(2), tx.init(params), params)
     >>> bool(ga_optax.emitted(state))
@@ -229,7 +230,7 @@ def num_skipped(state: Any) -> jax.Array:
 
 
 def noise_scale(state: Any) -> NoiseScale:
-  """The gradient noise scale measured by ``accumulate(..., noise_scale_decay=...)``.
+  """The gradient noise scale from ``accumulate(..., noise_scale_decay=...)``.
 
   ``b_simple`` estimates the critical batch size, in the unit of the
   weights (items; micro-batches at the default weight 1): far below it, a

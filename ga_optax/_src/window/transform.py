@@ -1,4 +1,4 @@
-"""``accumulate`` and ``accumulate_and_apply``: arguments resolved into a window.
+"""``accumulate`` and ``accumulate_and_apply``: arguments resolved to a window.
 
 Both functions take the same arguments, check them the same way and keep
 the same state; they differ only in what a call returns (updates, or new
@@ -35,7 +35,7 @@ def accumulate(
   noise_scale_decay: float | None = None,
   lr_scaling: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Accumulates gradients over ``every_k`` micro-steps, then steps ``optimizer``.
+  """Accumulates gradients of ``every_k`` micro-steps, then steps ``optimizer``.
 
   Each ``update`` call adds ``weight * grads`` to an accumulator and returns
   zero updates, until the call that closes the window: that one reduces the
@@ -89,20 +89,21 @@ def accumulate(
     every_k: micro-steps per window: a positive int; a jittable callable
       mapping the applied-update count (int32 scalar) to k, where values
       below 1 act as 1; a dict ``{update_step: k}`` with key 0, piecewise
-      constant in the applied-update count; or :func:`ga_optax.batch_size.adaptive_k`,
-      a k that follows the measured noise scale (needs
-      ``noise_scale_decay``). Each window's k is decided when the previous
-      one closes and kept in the state (:func:`ga_optax.current_k`).
+      constant in the applied-update count; or
+      :func:`ga_optax.batch_size.adaptive_k`, a k that follows the measured
+      noise scale (needs ``noise_scale_decay``). Each window's k is decided when
+      the previous one closes and kept in the state
+      (:func:`ga_optax.current_k`).
     reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
     accumulator_dtype: floating dtype of the accumulator, for example
       float32 accumulation of bfloat16 gradients.
     skip_nonfinite: drop a micro-step whose gradients hold NaN or Inf
       whole: not added, not counted toward k, and counted in
       ``num_skipped``. ``init`` refuses it around
-      :func:`ga_optax.mixed_precision.dynamic_loss_scale`, which must see the overflows to
-      back its scale off. With ``axis_name`` or ``unreduced_axes`` the check is
-      global (a scalar all-reduce per micro-step) so that every device drops
-      the same micro-steps.
+      :func:`ga_optax.mixed_precision.dynamic_loss_scale`, which must see the
+      overflows to back its scale off. With ``axis_name`` or ``unreduced_axes``
+      the check is global (a scalar all-reduce per micro-step) so that every
+      device drops the same micro-steps.
     axis_name: the data-parallel axes, as everywhere in ga_optax: the
       axes the batch's rows are split over, each device holding its own.
       Here they must be manual, that is the step runs inside
@@ -182,10 +183,10 @@ def accumulate(
       ``every_k``, ``accumulator_dtype``, ``axis_name``,
       ``unreduced_axes`` or a memory kind has a wrong type.
     ValueError: ``every_k`` below 1, a bad ``every_k`` dict,
-      :func:`ga_optax.batch_size.adaptive_k` without ``noise_scale_decay``, an unknown
-      ``reduction`` or ``lr_scaling``, both ``axis_name`` and ``unreduced_axes``,
-      ``inner_state_axes`` without ``unreduced_axes``, or a memory
-      kind the device does not offer (the message lists those it does) or
+      :func:`ga_optax.batch_size.adaptive_k` without ``noise_scale_decay``, an
+      unknown ``reduction`` or ``lr_scaling``, both ``axis_name`` and
+      ``unreduced_axes``, ``inner_state_axes`` without ``unreduced_axes``, or a
+      memory kind the device does not offer (the message lists those it does) or
       that ``jit`` cannot keep arrays in. ``init`` and ``update`` raise for
       axes that are not of the mesh kind their argument needs; ``init``
       raises for ``skip_nonfinite=True`` around

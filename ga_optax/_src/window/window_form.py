@@ -4,8 +4,8 @@ A micro-step runs one of two sides, keep the window open or close it, and
 the compiled program can say so in two forms:
 
 * ``"loops"``: each side is a loop of at most one trip
-  (:func:`ga_optax._src.window.run_once.run_once_if`), the closing one adding the
-  last gradient in the optimizer's pass. XLA:GPU updates a loop's buffers
+  (:func:`ga_optax._src.window.run_once.run_once_if`), the closing one adding
+  the last gradient in the optimizer's pass. XLA:GPU updates a loop's buffers
   in place, so a micro-step copies nothing; every platform but the CPU
   (GPUs, TPUs) runs this form.
 * ``"conditional"``: the gradient is added first, outside any branch, and
@@ -55,7 +55,7 @@ def pinned() -> str | None:
 
 
 def form_for(platform: str) -> str:
-  """The form a step lowered for ``platform`` (``"cpu"``, ``"cuda"``...) takes."""
+  """The form of a step lowered for ``platform`` (``"cpu"``, ``"cuda"``...)."""
   pinned_form = pinned()
   if pinned_form is not None:
     return pinned_form

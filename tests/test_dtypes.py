@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import linear_case
 import numpy as np
 import optax
 import pytest
@@ -555,18 +556,6 @@ def test_a_bfloat16_accumulator_gives_float32_exact_updates(use_jit):
 # Complex parameters.
 
 
-def _assert_complex_close(actual: Any, expected: Any) -> None:
-  """Equal trees, shapes and dtypes, finite values within float32 rounding.
-
-  chex compares NaN equal to NaN; finiteness is asserted first so that two
-  NaN results never pass as equal.
-  """
-  chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
-  chex.assert_tree_all_finite(actual)
-  chex.assert_tree_all_finite(expected)
-  chex.assert_trees_all_close(actual, expected, rtol=1e-5, atol=1e-6)
-
-
 def _complex(shape: tuple[int, ...], seed: int) -> jax.Array:
   rng = np.random.default_rng(seed)
   return jnp.asarray(
@@ -615,7 +604,7 @@ def test_complex_params_accumulate_like_adam_on_the_window_mean(path):
     ) / len(batches)
     updates, expected_state = inner.update(mean_grads, expected_state, expected)
     expected = optax.apply_updates(expected, updates)
-    _assert_complex_close(params, expected)
+    linear_case.assert_finite_and_close(params, expected)
   # The imaginary parts moved too: they were not dropped along the way.
   assert float(jnp.max(jnp.abs(params.imag - _complex((3, 2), 0).imag))) > 0.1
 
@@ -635,5 +624,5 @@ def test_complex_params_microbatched_equal_value_and_grad(use_jit):
   )
   assert grads.dtype == jnp.complex64
   assert float(jnp.max(jnp.abs(expected_grads.imag))) > 0.1
-  _assert_complex_close(grads, expected_grads)
-  _assert_complex_close(value, expected_value)
+  linear_case.assert_finite_and_close(grads, expected_grads)
+  linear_case.assert_finite_and_close(value, expected_value)

@@ -9,6 +9,7 @@ import chex
 import hypothesis
 import jax
 import jax.numpy as jnp
+import linear_case
 import numpy as np
 import pytest
 from hypothesis import strategies as st
@@ -637,70 +638,27 @@ def test_a_constant_scan_carry_on_explicit_axes(path, carry_sharding):
   _assert_finite_and_close(actual, expected)
 
 
-# A linear model of two outputs, its batch of BATCH rows in
+# A linear model of two outputs (tests/linear_case.py), its batch in
 # NUM_MICROBATCHES micro-batches.
 NUM_MICROBATCHES = 4
 
 
-def _assert_close(actual: Any, expected: Any) -> None:
-  """Equal trees, shapes and dtypes, finite values within float32 rounding.
-
-  chex compares NaN equal to NaN; finiteness is asserted first so that two
-  NaN results never pass as equal.
-  """
-  chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
-  chex.assert_tree_all_finite(actual)
-  chex.assert_tree_all_finite(expected)
-  chex.assert_trees_all_close(actual, expected, rtol=1e-5, atol=1e-6)
-
-
-def _real(shape: tuple[int, ...], seed: int) -> jax.Array:
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape))
-
-
-def _linear_loss(params, batch):
-  prediction = batch["x"] @ params["w"] + params["b"]
-  return jnp.mean((prediction - batch["y"]) ** 2)
-
-
-def _linear_params() -> dict[str, jax.Array]:
-  return {"w": _real((3, 2), seed=0), "b": _real((2,), seed=1)}
-
-
-def _linear_batch(seed: int = 2) -> dict[str, jax.Array]:
-  return {
-    "x": _real((BATCH, 3), seed),
-    "y": _real((BATCH, 2), seed + 1),
-  }
-
-
-# A mesh of this machine's one device.
-
-
-def _mesh() -> jax.sharding.Mesh:
-  return jax.make_mesh((1,), ("data",))
-
-
-def _put(tree: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
-  # jax.make_mesh makes Explicit axes: shard_map's inputs must already be
-  # laid out as its in_specs say.
-  return jax.device_put(tree, NamedSharding(mesh, spec))
-
-
 def test_explicitly_sharded_batch_without_set_mesh():
-  mesh = _mesh()
-  batch = _put(_linear_batch(), mesh, P("data"))
+  mesh = linear_case.one_device_mesh()
+  batch = linear_case.put(linear_case.batch(), mesh, P("data"))
   value_and_grad = ga_optax.microbatched_value_and_grad(
     _elementwise_loss, NUM_MICROBATCHES
   )
-  params = _linear_params()["b"]
+  params = linear_case.params()["b"]
   try:
     result = value_and_grad(params, batch)
   except ValueError as error:
     # Refusing is fine too, if the message says what to do.
     assert "set_mesh" in str(error)
   else:
-    _assert_close(result, jax.value_and_grad(_elementwise_loss)(params, batch))
+    linear_case.assert_finite_and_close(
+      result, jax.value_and_grad(_elementwise_loss)(params, batch)
+    )
 
 
 def _elementwise_loss(scale, batch):
@@ -719,7 +677,7 @@ def _weighted_batch(weights: list[Any]) -> dict[str, jax.Array]:
   weight of micro-batch ``r % k``.
   """
   rows = BATCH // NUM_MICROBATCHES
-  batch = _linear_batch()
+  batch = linear_case.batch()
   batch["weight"] = jnp.asarray(np.tile(np.asarray(weights), rows))
   return batch
 
@@ -731,16 +689,16 @@ def _first_row_weight(microbatch):
 @pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
 def test_weight_fn_returning_a_bool_is_a_type_error(use_jit):
   value_and_grad = ga_optax.microbatched_value_and_grad(
-    _linear_loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
+    linear_case.loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
   )
   if use_jit:
     value_and_grad = jax.jit(value_and_grad)
   batch = _weighted_batch([True, False, True, True])
   with pytest.raises(TypeError, match="weight_fn must return a real number"):
     # eval_shape traces without running: the error comes at trace time.
-    jax.eval_shape(value_and_grad, _linear_params(), batch)
+    jax.eval_shape(value_and_grad, linear_case.params(), batch)
   with pytest.raises(TypeError, match="weight_fn must return a real number"):
-    value_and_grad(_linear_params(), batch)
+    value_and_grad(linear_case.params(), batch)
 
 
 def test_nonnegative_weights_still_give_the_weighted_mean():
@@ -748,12 +706,12 @@ def test_nonnegative_weights_still_give_the_weighted_mean():
   # tests/test_weights.py, one rule for both paths).
   weights = [3.0, 0.0, 2.0, 1.0]
   value_and_grad = ga_optax.microbatched_value_and_grad(
-    _linear_loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
+    linear_case.loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
   )
   batch = _weighted_batch(weights)
   per_microbatch = [
-    jax.value_and_grad(_linear_loss)(
-      _linear_params(),
+    jax.value_and_grad(linear_case.loss)(
+      linear_case.params(),
       jax.tree.map(lambda x, i=i: x[i::NUM_MICROBATCHES], batch),
     )
     for i in range(NUM_MICROBATCHES)
@@ -764,4 +722,6 @@ def test_nonnegative_weights_still_give_the_weighted_mean():
     ),
     *per_microbatch,
   )
-  _assert_close(value_and_grad(_linear_params(), batch), expected)
+  linear_case.assert_finite_and_close(
+    value_and_grad(linear_case.params(), batch), expected
+  )

@@ -18,9 +18,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import chex
 import jax
 import jax.numpy as jnp
+import linear_case
 import numpy as np
 import optax
 import pytest
@@ -346,62 +346,20 @@ def test_consolidated_on_8_devices_resumes_on_2():
   )
 
 
-# A linear model and its batch, in NUM_MICROBATCHES micro-batches.
+# A linear model (tests/linear_case.py) in NUM_MICROBATCHES micro-batches,
+# in shard_map on a mesh of this machine's one device.
 NUM_MICROBATCHES = 4
-BATCH_SIZE = 16
-
-
-def _assert_close(actual: Any, expected: Any) -> None:
-  """Equal trees, shapes and dtypes, finite values within float32 rounding.
-
-  chex compares NaN equal to NaN; finiteness is asserted first so that two
-  NaN results never pass as equal.
-  """
-  chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
-  chex.assert_tree_all_finite(actual)
-  chex.assert_tree_all_finite(expected)
-  chex.assert_trees_all_close(actual, expected, rtol=1e-5, atol=1e-6)
-
-
-def _real(shape: tuple[int, ...], seed: int) -> jax.Array:
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape))
-
-
-def _mean_loss(params, batch):
-  prediction = batch["x"] @ params["w"] + params["b"]
-  return jnp.mean((prediction - batch["y"]) ** 2)
-
-
-def _params() -> dict[str, jax.Array]:
-  return {"w": _real((3, 2), seed=0), "b": _real((2,), seed=1)}
-
-
-def _batch(seed: int = 2) -> dict[str, jax.Array]:
-  return {
-    "x": _real((BATCH_SIZE, 3), seed),
-    "y": _real((BATCH_SIZE, 2), seed + 1),
-  }
-
-
-# shard_map with check_vma=True, on a mesh of this machine's one device.
-
-
-def _mesh() -> jax.sharding.Mesh:
-  return jax.make_mesh((1,), ("data",))
-
-
-def _put(tree: Any, mesh: jax.sharding.Mesh, spec: P) -> Any:
-  # jax.make_mesh makes Explicit axes: shard_map's inputs must already be
-  # laid out as its in_specs say.
-  return jax.device_put(tree, NamedSharding(mesh, spec))
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_microbatched_axis_name_inside_shard_map(check_vma):
-  mesh = _mesh()
-  params, batch = _put(_params(), mesh, P()), _put(_batch(), mesh, P("data"))
+  mesh = linear_case.one_device_mesh()
+  params, batch = (
+    linear_case.put(linear_case.params(), mesh, P()),
+    linear_case.put(linear_case.batch(), mesh, P("data")),
+  )
   value_and_grad = ga_optax.microbatched_value_and_grad(
-    _mean_loss, NUM_MICROBATCHES, axis_name="data"
+    linear_case.loss, NUM_MICROBATCHES, axis_name="data"
   )
   sharded = jax.jit(
     jax.shard_map(
@@ -412,12 +370,14 @@ def test_microbatched_axis_name_inside_shard_map(check_vma):
       check_vma=check_vma,
     )
   )
-  expected = jax.value_and_grad(_mean_loss)(_params(), _batch())
-  _assert_close(sharded(params, batch), expected)
+  expected = jax.value_and_grad(linear_case.loss)(
+    linear_case.params(), linear_case.batch()
+  )
+  linear_case.assert_finite_and_close(sharded(params, batch), expected)
   without_shard_map = ga_optax.microbatched_value_and_grad(
-    _mean_loss, NUM_MICROBATCHES
-  )(_params(), _batch())
-  _assert_close(sharded(params, batch), without_shard_map)
+    linear_case.loss, NUM_MICROBATCHES
+  )(linear_case.params(), linear_case.batch())
+  linear_case.assert_finite_and_close(sharded(params, batch), without_shard_map)
 
 
 # Windows of micro-batches of unequal size (weight = rows), the second closed
@@ -438,7 +398,7 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
   tx = ga_optax.accumulate(optimizer, 2, axis_name="data")
 
   def step(params, state, x, y, flush):
-    grads = jax.grad(_mean_loss)(params, {"x": x, "y": y})
+    grads = jax.grad(linear_case.loss)(params, {"x": x, "y": y})
     # Each device's rows: the same number on every device.
     updates, state = tx.update(
       grads, state, params, weight=x.shape[0], flush=flush
@@ -454,9 +414,12 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
       check_vma=True,
     )
   )
-  params = _put(_params(), mesh, P())
-  state = _put(tx.init(_params()), mesh, P())
-  expected, expected_state = _params(), optimizer.init(_params())
+  params = linear_case.put(linear_case.params(), mesh, P())
+  state = linear_case.put(tx.init(linear_case.params()), mesh, P())
+  expected, expected_state = (
+    linear_case.params(),
+    optimizer.init(linear_case.params()),
+  )
   rng = np.random.default_rng(7)
   for window in _WINDOW_ROWS:
     batches = [
@@ -471,17 +434,17 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
       params, state = sharded_step(
         params,
         state,
-        *_put((batch["x"], batch["y"]), mesh, P("data")),
+        *linear_case.put((batch["x"], batch["y"]), mesh, P("data")),
         jnp.bool_(closes and len(window) < 2),
       )
       assert bool(ga_optax.emitted(state)) == closes
     # The reference: the gradient of the window's mean loss, bare SGD.
     whole = jax.tree.map(lambda *rows: jnp.concatenate(rows), *batches)
     updates, expected_state = optimizer.update(
-      jax.grad(_mean_loss)(expected, whole), expected_state
+      jax.grad(linear_case.loss)(expected, whole), expected_state
     )
     expected = optax.apply_updates(expected, updates)
-  _assert_close(params, expected)
+  linear_case.assert_finite_and_close(params, expected)
   assert int(ga_optax.applied_updates(state)) == len(_WINDOW_ROWS)
 
 
@@ -497,6 +460,8 @@ def test_partial_sum_helpers_refuse_a_shard_map_that_checks_variance(combine):
   def step(state):
     return combine(state, axis_name="data")
 
-  mapped = jax.shard_map(step, mesh=_mesh(), in_specs=P(), out_specs=P())
+  mapped = jax.shard_map(
+    step, mesh=linear_case.one_device_mesh(), in_specs=P(), out_specs=P()
+  )
   with pytest.raises(ValueError, match="check_vma=False"):
     jax.jit(mapped)(tx.init(params))

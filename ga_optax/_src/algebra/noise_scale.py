@@ -338,8 +338,12 @@ class NoiseTermsPart:
   def close(
     self, terms: NoiseTerms, closing: parts.Closing
   ) -> NoiseScaleEstimate:
-    """The window's estimates (``closing.weight`` is not read: the terms
-    hold the micro-gradients' own)."""
+    """The window's estimates, from its sums over every device.
+
+    ``closing.weight`` is not read: the terms hold their micro-gradients'
+    own weight, which a placement may count otherwise than the window's
+    (a device's share of it, where each device holds the whole gradient).
+    """
     terms = self.held.combine(terms, self.combine)
     return window_estimate(
       terms.square_sum,
@@ -435,6 +439,7 @@ class Measured:
       The noise state, and K, the window's micro-gradients over every
       device.
     """
+    # Combined here, once: K is wanted beside the estimates.
     terms = held.combine(noise.terms, "sum")
     estimate = NoiseTermsPart().close(
       terms, parts.Closing(mean_grads, terms.weight)

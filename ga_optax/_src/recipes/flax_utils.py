@@ -97,6 +97,7 @@ def apply_gradients(
       f" and replace), got {type(state).__name__} without {missing}."
     )
   params, fp8_state = fp8.split_variables(state.params)
+  variables_grads = grads
   grads, latest_fp8 = fp8.split_variables(grads)
   before = (
     None
@@ -111,7 +112,7 @@ def apply_gradients(
       before,
       find_state(opt_state),
       fp8.Fp8Part(fp8_state, before.fp8_window.reduction),
-      latest_fp8,
+      variables_grads,
       update_kwargs.get("weight", 1),
       axis_name,
     )
@@ -155,7 +156,7 @@ def _fp8_micro_step(
   before: AccumulateState,
   after: AccumulateState,
   part: fp8.Fp8Part,
-  latest: Any,
+  variables_grads: Any,
   weight: Any,
   axis_name: Any = None,
 ) -> tuple[fp8.Fp8Window, Any]:
@@ -167,7 +168,8 @@ def _fp8_micro_step(
     after: its state after the call.
     part: the float8 state's part, from the state at the start of the
       window (what the micro-batch computed with).
-    latest: the micro-batch's new float8 state.
+    variables_grads: the micro-batch's gradients of the variables, the
+      float8 state's new values among them.
     weight: the call's ``weight=``.
     axis_name: inside ``jax.shard_map``, the data-parallel axes: the state
       a closing window leaves combines every device's micro-batches (a
@@ -191,8 +193,8 @@ def _fp8_micro_step(
     part.zero(),
     before.fp8_window,
   )
-  variables = {"params": None, fp8.OVERWRITE_WITH_GRADIENT: latest}
-  window = part.add(window, parts.MicroBatch.whole(variables, weight, accepted))
+  micro_batch = parts.MicroBatch.whole(variables_grads, weight, accepted)
+  window = part.add(window, micro_batch)
   weight_sum = before.weight_sum + weight
   everywhere = window
   if axis_name is not None:

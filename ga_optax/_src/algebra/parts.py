@@ -119,10 +119,18 @@ class MicroBatch(NamedTuple):
   own: OwnGradients
 
   @classmethod
-  def whole(cls, grads: Any, weight: Any, kept: Any = True) -> MicroBatch:
-    """A micro-batch whose gradient is whole on this device."""
+  def whole(
+    cls, grads: Any, weight: Any, kept: Any = True, micro_gradient: Any = None
+  ) -> MicroBatch:
+    """A micro-batch whose gradient is whole on this device.
+
+    ``micro_gradient``: its micro-gradient, where that is not all of
+    ``grads`` (a float8 model's new state is not a gradient); ``grads``
+    by default.
+    """
     weight = jnp.where(kept, jnp.asarray(weight, jnp.float32), 0.0)
-    return cls(grads, weight, jnp.asarray(kept), Whole(grads, weight))
+    own = Whole(grads if micro_gradient is None else micro_gradient, weight)
+    return cls(grads, weight, jnp.asarray(kept), own)
 
   @property
   def counts(self) -> jax.Array:
@@ -136,12 +144,10 @@ class Closing(NamedTuple):
   Attributes:
     mean_grads: the window's mean gradient, over every device.
     weight: the window's weight, over every device.
-    start: the variables the window's micro-batches were computed with.
   """
 
   mean_grads: Any
   weight: jax.Array
-  start: Any = None
 
 
 class Part(Protocol):
@@ -161,7 +167,12 @@ class Part(Protocol):
     ...
 
   def close(self, value: Any, closing: Closing) -> Any:
-    """What the window's value reports, its devices' values combined."""
+    """What the window's value reports.
+
+    A driver hands over the value combined over every device, or, where a
+    placement holds it per device (:class:`Held`), as this device holds it
+    for the part to combine.
+    """
     ...
 
 

@@ -17,7 +17,11 @@ arguments of :func:`ga_optax.accumulate` by :func:`resolve`:
   onto the optimizer state's shards.
 
 The window calls every method unconditionally; a strategy with nothing to
-do returns its input.
+do returns its input. A part of the window algebra
+(:mod:`ga_optax._src.algebra.parts`) reads what a device's micro-gradients
+are through :meth:`Parallel.own_gradients` and is combined over the devices
+through :meth:`Parallel.combine`: a strategy never learns which part it
+holds.
 """
 
 from __future__ import annotations

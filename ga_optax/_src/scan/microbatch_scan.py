@@ -249,10 +249,7 @@ class Weighting(NamedTuple):
     summed = fp8.join_variables(
       grads, params_grads, jax.tree.map(jnp.zeros_like, latest)
     )
-    micro_batch = parts.MicroBatch.whole(grads, weight)
-    micro_batch = micro_batch._replace(
-      own=parts.Whole(summed, micro_batch.weight)
-    )
+    micro_batch = parts.MicroBatch.whole(grads, weight, micro_gradient=summed)
     new_parts = {
       name: part.add(sums.parts[name], micro_batch)
       for name, part in self.parts(diff).items()
@@ -287,9 +284,11 @@ class Weighting(NamedTuple):
     grads = jax.tree.map(
       lambda total, param: total.astype(jnp.result_type(param)), mean, diff
     )
+    # Sums handed out unreduced carry no parts: a part needs every device.
     closed = {
       name: part.close(sums.parts[name], closing)
       for name, part in self.parts(diff).items()
+      if name in sums.parts
     }
     if "fp8" in closed:
       # The float8 state's "gradient" is the large batch's new state.

@@ -168,8 +168,13 @@ def run_mutant(
   tests: Sequence[str],
   timeout: int,
   first_failure: bool = False,
+  window_form: str | None = None,
 ) -> Outcome:
-  """Copies ``snapshot``, applies ``mutant`` (None: no edit), runs ``tests``."""
+  """Copies ``snapshot``, applies ``mutant`` (None: no edit), runs ``tests``.
+
+  ``window_form``: the form for a mutant that pins none (and the baseline);
+  None leaves it to the platform.
+  """
   name = mutant.name if mutant else "baseline"
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix=f"ga_optax_{name}_") as directory:
@@ -185,7 +190,7 @@ def run_mutant(
       changed,
       timeout,
       first_failure,
-      window_form=mutant.window_form if mutant else None,
+      window_form=(mutant and mutant.window_form) or window_form,
     )
   seconds = time.perf_counter() - start
   # 1: some test failed. 0: all passed. Anything else (collection error,
@@ -234,6 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     " one failing test per killed mutant)",
   )
   parser.add_argument(
+    "--window-form",
+    choices=("loops", "conditional"),
+    help="run every mutant that pins no window form in this one (by"
+    " default the platform's: the CPU's is the conditional form)",
+  )
+  parser.add_argument(
     "--timeout",
     type=int,
     default=900,
@@ -277,7 +288,9 @@ def run_all(
     tests = args.tests or list(
       dict.fromkeys(test for mutant in selected for test in mutant.tests)
     )
-    outcome = run_mutant(snapshot, None, tests, args.timeout)
+    outcome = run_mutant(
+      snapshot, None, tests, args.timeout, window_form=args.window_form
+    )
     print(f"baseline ({len(tests)} test ids): {outcome.seconds:.0f} s")
     if outcome.status != "survived":
       print(outcome.output_tail)
@@ -292,6 +305,7 @@ def run_all(
       args.tests or mutant.tests,
       args.timeout,
       args.first_failure,
+      args.window_form,
     )
     outcomes.append(outcome)
     print(

@@ -71,6 +71,7 @@ FLAX_UTILS = "ga_optax/_src/recipes/flax_utils.py"
 WEIGHTS = "ga_optax/_src/algebra/weights.py"
 ARGUMENTS = "ga_optax/_src/window/arguments.py"
 MICRO_STEP = "ga_optax/_src/window/micro_step.py"
+PARTS = "ga_optax/_src/algebra/parts.py"
 
 MUTANTS: tuple[Mutant, ...] = (
   # Equivalence with the large batch.
@@ -841,6 +842,23 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_noise_scale.py::test_complex_params_count_the_modulus_squared",
+    ),
+  ),
+  Mutant(
+    name="part_values_not_combined_across_devices",
+    guarantee="the window algebra (a part's devices combine)",
+    defect="a part combined by a sum keeps each device's value: the scan's"
+    " and the shard_map window's noise terms count one device's"
+    " micro-batches",
+    edits=(
+      Edit(
+        PARTS,
+        "    return jax.lax.psum(value, axes)\n",
+        "    return value\n",
+      ),
+    ),
+    tests=(
+      "tests/test_parts.py::test_noise_terms_add_up_the_same_on_one_device_and_on_eight",
     ),
   ),
   Mutant(

@@ -232,6 +232,22 @@ def check_like(window: Fp8Window, tree: Any, name: str) -> None:
     )
 
 
+def restarted(window: Fp8Window, restart: Any) -> Fp8Window:
+  """``window``, or the empty combination where ``restart`` (a bool scalar).
+
+  A window's first micro-step starts from the empty combination: what the
+  state holds then is the last window's, stale.
+  """
+  restart = jnp.asarray(restart)
+  return dataclasses.replace(
+    window,
+    combined=jax.tree.map(
+      lambda running: jnp.where(restart, jnp.zeros_like(running), running),
+      window.combined,
+    ),
+  )
+
+
 def combine(
   window: Fp8Window,
   latest: Any,
@@ -281,11 +297,10 @@ def combine(
   """
   check_like(window, latest, "latest")
   contributes = jnp.asarray(contributes)
-  restart = jnp.asarray(restart)
+  window = restarted(window, restart)
 
-  def combine_leaf(path: tuple[Any, ...], running: Any, new: Any) -> Any:
-    kept = jnp.where(restart, jnp.zeros_like(running), running)
-    new = jnp.asarray(new, running.dtype)
+  def combine_leaf(path: tuple[Any, ...], kept: Any, new: Any) -> Any:
+    new = jnp.asarray(new, kept.dtype)
     kind = kind_of(path)
     if kind is Kind.FORWARD_HISTORY:
       combined = jnp.maximum(kept, new)
@@ -293,7 +308,7 @@ def combine(
       # Only index 0 is this micro-batch's; the rest is the rolled old
       # history, the same for every micro-batch, and is not scaled. A
       # select, not a product: 0 * NaN is NaN.
-      factor = jnp.asarray(weight, running.dtype)
+      factor = jnp.asarray(weight, kept.dtype)
       scaled = jnp.where(
         weights.counts(factor), factor * new[0], jnp.zeros_like(new[0])
       )

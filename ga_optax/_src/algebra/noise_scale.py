@@ -166,8 +166,7 @@ def leaf_square(leaf: jax.Array) -> jax.Array:
 
 def square_norm(tree: Any) -> jax.Array:
   """``|tree|^2``, the sum of every leaf's squared elements, in float32."""
-  squares = [leaf_square(leaf) for leaf in jax.tree.leaves(tree)]
-  return sum(squares[1:], squares[0]) if squares else jnp.zeros(())
+  return parts.leaf_total(tree, leaf_square)
 
 
 # Relative to ``sum_i w_i |g_i|^2``, the spread below which the float32 sums

@@ -21,6 +21,7 @@ the placement's ``combine``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
@@ -60,6 +61,12 @@ class OwnGradients(Protocol):
     ...
 
 
+def leaf_total(tree: Any, leaf_fn: Any) -> jax.Array:
+  """``sum over the leaves of tree of leaf_fn(leaf)``; 0 for no leaf."""
+  terms = [leaf_fn(leaf) for leaf in jax.tree.leaves(tree)]
+  return sum(terms[1:], terms[0]) if terms else jnp.zeros((), jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Whole:
   """A gradient that is one micro-gradient, whole on this device."""
@@ -72,8 +79,7 @@ class Whole:
     return 1
 
   def weighted_total(self, leaf_fn: Any) -> jax.Array:
-    terms = [leaf_fn(leaf) for leaf in jax.tree.leaves(self.grads)]
-    total = sum(terms[1:], terms[0]) if terms else jnp.zeros((), jnp.float32)
+    total = leaf_total(self.grads, leaf_fn)
     weight = jnp.asarray(self.weight, jnp.float32)
     return jnp.where(weights.counts(weight), weight * total, 0.0)
 
@@ -119,6 +125,21 @@ class MicroBatch(NamedTuple):
   own: OwnGradients
 
   @classmethod
+  def of(
+    cls,
+    grads: Any,
+    weight: Any,
+    kept: Any,
+    own: Callable[[jax.Array], OwnGradients],
+  ) -> MicroBatch:
+    """A micro-batch; ``own(weight)`` says what its micro-gradients are.
+
+    A dropped micro-batch weighs nothing (its gradient may not be finite).
+    """
+    weight = jnp.where(kept, jnp.asarray(weight, jnp.float32), 0.0)
+    return cls(grads, weight, jnp.asarray(kept), own(weight))
+
+  @classmethod
   def whole(
     cls, grads: Any, weight: Any, kept: Any = True, micro_gradient: Any = None
   ) -> MicroBatch:
@@ -128,9 +149,8 @@ class MicroBatch(NamedTuple):
     ``grads`` (a float8 model's new state is not a gradient); ``grads``
     by default.
     """
-    weight = jnp.where(kept, jnp.asarray(weight, jnp.float32), 0.0)
-    own = Whole(grads if micro_gradient is None else micro_gradient, weight)
-    return cls(grads, weight, jnp.asarray(kept), own)
+    own = grads if micro_gradient is None else micro_gradient
+    return cls.of(grads, weight, kept, lambda w: Whole(own, w))
 
   @property
   def counts(self) -> jax.Array:

@@ -20,7 +20,7 @@ def all_finite(tree: Any) -> jax.Array:
   return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]).all()
 
 
-class Local:
+class Local(parts.OnThisDevice):
   """The window of one device: every method hands its input back.
 
   Also right under ``jit`` on several devices when the gradients are
@@ -65,12 +65,6 @@ class Local:
   def own_gradients(self, grads: Any, weight: Any) -> parts.OwnGradients:
     # Each call's gradient is one micro-gradient.
     return parts.Whole(grads, weight)
-
-  def zero_total(self) -> jax.Array:
-    return parts.OnThisDevice().zero_total()
-
-  def combine(self, value: Any, combine: parts.Combine) -> Any:
-    return parts.OnThisDevice().combine(value, combine)
 
   def inner_update(
     self,

@@ -186,13 +186,7 @@ def _fp8_micro_step(
   # saturates only after 2**31 - 1 drops).
   accepted = after.num_skipped == before.num_skipped
   weight = jnp.where(accepted, jnp.asarray(weight, before.weight_sum.dtype), 0)
-  # The first micro-step of a window starts from the empty combination.
-  restarts = before.micro_step == 0
-  window = jax.tree.map(
-    lambda empty, running: jnp.where(restarts, empty, running),
-    part.zero(),
-    before.fp8_window,
-  )
+  window = fp8.restarted(before.fp8_window, before.micro_step == 0)
   micro_batch = parts.MicroBatch.whole(variables_grads, weight, accepted)
   window = part.add(window, micro_batch)
   weight_sum = before.weight_sum + weight

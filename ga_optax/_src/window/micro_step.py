@@ -180,10 +180,12 @@ class MicroStep:
 
   def micro_batch(self, grads: optax.Updates) -> parts.MicroBatch:
     """This micro-step as a part of the window adds it."""
-    accepted = self.admitted.accepted
-    weight = jnp.where(accepted, jnp.asarray(self.weight, jnp.float32), 0.0)
-    own = self.window.parallel.own_gradients(grads, weight)
-    return parts.MicroBatch(grads, weight, accepted, own)
+    return parts.MicroBatch.of(
+      grads,
+      self.weight,
+      self.admitted.accepted,
+      functools.partial(self.window.parallel.own_gradients, grads),
+    )
 
   def folded(self, steps: jax.Array) -> tuple[Any, dict[str, Any]]:
     """The two sides as loops, the last gradient added by the closing one.

@@ -71,6 +71,8 @@ FLAX_UTILS = "ga_optax/_src/recipes/flax_utils.py"
 WEIGHTS = "ga_optax/_src/algebra/weights.py"
 ARGUMENTS = "ga_optax/_src/window/arguments.py"
 MICRO_STEP = "ga_optax/_src/window/micro_step.py"
+SCHEDULE = "ga_optax/_src/window/schedule.py"
+LOCAL = "ga_optax/_src/placements/local.py"
 PARTS = "ga_optax/_src/algebra/parts.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -82,9 +84,9 @@ MUTANTS: tuple[Mutant, ...] = (
     " the window's weight",
     edits=(
       Edit(
-        WINDOW,
-        "scale = jnp.where(steps, weights.reciprocal(admitted.weight_sum), 1.0)",
-        "scale = jnp.where(steps, 1.0, 1.0)",
+        MICRO_STEP,
+        "scale = weights.reciprocal(total_weight)",
+        "scale = jnp.ones_like(total_weight)",
       ),
     ),
     tests=(
@@ -109,8 +111,8 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
       Edit(
         MICRO_STEP,
-        "added = kept + weights.weighted(grad, weight, total.dtype)",
-        "added = kept + weights.weighted(grad, 1, total.dtype)",
+        "added = total + weights.weighted(grad, weight, total.dtype)",
+        "added = total + weights.weighted(grad, 1, total.dtype)",
       ),
     ),
     tests=(
@@ -125,9 +127,9 @@ MUTANTS: tuple[Mutant, ...] = (
     " of its mean weight (the 1/k bug)",
     edits=(
       Edit(
-        WINDOW,
-        "scale = jnp.where(steps, weights.reciprocal(admitted.weight_sum), 1.0)",
-        "scale = jnp.where(\n        steps, micro_step / (admitted.weight_sum * every_k), 1.0\n      )",
+        MICRO_STEP,
+        "scale = weights.reciprocal(total_weight)",
+        "scale = micro_step.decision.micro_step / (\n        total_weight * micro_step.decision.every_k\n      )",
       ),
     ),
     tests=(
@@ -156,8 +158,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "kept = jnp.where(restarts, jnp.zeros_like(total), total)",
-        "kept = jnp.zeros_like(total)",
+        "added = total + weights.weighted(grad, weight, total.dtype)",
+        "added = jnp.zeros_like(total) + weights.weighted(grad, weight, total.dtype)",
       ),
     ),
     tests=(
@@ -171,9 +173,9 @@ MUTANTS: tuple[Mutant, ...] = (
     defect="a window whose weights sum to 0 steps the optimizer on 0 / 0",
     edits=(
       Edit(
-        WINDOW,
-        "steps = closes & weights.has_weight(admitted.weight_sum)",
-        "steps = closes",
+        MICRO_STEP,
+        "has_weight = weights.has_weight(total_weight)",
+        "has_weight = jnp.asarray(True)",
       ),
     ),
     tests=(
@@ -188,8 +190,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "closes = (micro_step >= every_k) | flush",
-        "closes = (micro_step > every_k) | flush",
+        "closes = schedule.closes(micro_step >= every_k, flush)",
+        "closes = schedule.closes(micro_step > every_k, flush)",
       ),
     ),
     tests=("tests/test_accumulate.py",),
@@ -234,7 +236,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        'update_step=increment_if(state.update_step, closed["stepped"]),',
+        "update_step=increment_if(state.update_step, stepped),",
         "update_step=increment_if(state.update_step, jnp.asarray(True)),",
       ),
     ),
@@ -295,15 +297,15 @@ MUTANTS: tuple[Mutant, ...] = (
   # The loop form, what GPUs and TPUs run: executed on the CPU with the form
   # pinned, since the CPU's own form never runs this code.
   Mutant(
-    name="loops_close_without_the_last_gradient",
+    name="close_without_the_last_gradient",
     guarantee="equivalence (the GPU's form of the window)",
-    defect="the closing loop does not add the micro-step's gradient: every"
-    " window a GPU closes leaves its last micro-batch out",
+    defect="the closing side reads the accumulator as the micro-step found"
+    " it: every window a GPU closes leaves its last micro-batch out",
     edits=(
       Edit(
         MICRO_STEP,
-        "      accumulator = micro_step.added(accumulator, grads)\n",
-        "",
+        '      "accumulator": opened["accumulator"],\n',
+        '      "accumulator": micro_step.accumulator,\n',
       ),
     ),
     tests=(
@@ -312,16 +314,16 @@ MUTANTS: tuple[Mutant, ...] = (
     window_form="loops",
   ),
   Mutant(
-    name="loops_close_without_the_last_noise_term",
+    name="noise_terms_not_kept",
     guarantee="the gradient noise scale (the GPU's form of the window)",
-    defect="the closing loop leaves the last micro-gradient out of the"
-    " noise sums: B_simple is wrong on every GPU window, and the bytes"
+    defect="the closing side and the state keep the noise sums as the"
+    " micro-step found them: each micro-gradient is left out, and the bytes"
     " hardly change",
     edits=(
       Edit(
         MICRO_STEP,
-        "      noise = window.noise.add(noise, micro_step.micro_batch(grads))\n",
-        "",
+        '      "noise": opened["noise"],\n',
+        '      "noise": micro_step.state.noise_scale,\n',
       ),
     ),
     tests=("tests/test_noise_scale.py::test_one_device_matches_numpy",),
@@ -390,8 +392,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "added = kept + weights.weighted(grad, weight, total.dtype)",
-        "added = (\n        kept.astype(grad.dtype) + weights.weighted(grad, weight, grad.dtype)\n      ).astype(total.dtype)",
+        "added = total + weights.weighted(grad, weight, total.dtype)",
+        "added = (\n        total.astype(grad.dtype) + weights.weighted(grad, weight, grad.dtype)\n      ).astype(total.dtype)",
       ),
     ),
     tests=(
@@ -524,8 +526,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "    accumulator=window.accumulator_home.keep(accumulator),\n",
-        "    accumulator=accumulator,\n",
+        '    accumulator=window.accumulator_home.keep(\n      micro_step.cleared(closed["accumulator"])\n    ),\n',
+        '    accumulator=micro_step.cleared(closed["accumulator"]),\n',
       ),
     ),
     tests=(
@@ -540,7 +542,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "full=micro_step.decision.micro_step >= micro_step.decision.every_k,",
+        "full=micro_step.decision.micro_step >= every_k,",
         "full=jnp.asarray(True),",
       ),
     ),
@@ -1047,13 +1049,13 @@ MUTANTS: tuple[Mutant, ...] = (
   Mutant(
     name="axis_name_sum_not_mean",
     guarantee="data parallel (axis_name)",
-    defect="with axis_name the window's sum over the devices is emitted"
-    " without being divided by its total weight",
+    defect="with axis_name the window's sum over the devices is divided by"
+    " this device's weight instead of every device's",
     edits=(
       Edit(
-        MICRO_STEP,
-        'reduction != "mean":\n      return sums\n',
-        'reduction == "mean":\n      return sums\n',
+        COLLECTIVE,
+        "return jax.lax.psum(weight_sum, self.axes)",
+        "return weight_sum",
       ),
     ),
     tests=(
@@ -1349,5 +1351,63 @@ MUTANTS: tuple[Mutant, ...] = (
     " keeps loops out of command buffers whatever the options say",
     edits=(Edit(GPU_COMPILE, '  driver_version: "13.0.0"\n', ""),),
     tests=("tests/test_gpu_program.py::test_one_gpu[adam]",),
+  ),
+  Mutant(
+    name="a_close_keeps_the_accumulator",
+    guarantee="one state for both schedules (every close empties the window)",
+    defect="the step that closes a window leaves the window's sums in the"
+    " accumulator, so the next window adds to them",
+    edits=(
+      Edit(MICRO_STEP, "      **self.emptied(carry),\n", "      **carry,\n"),
+    ),
+    tests=(
+      "tests/test_accumulate.py::AccumulateTest::test_every_close_leaves_the_accumulator_at_zero",
+      "tests/test_host_schedule.py::test_the_host_schedule_is_the_large_batch",
+    ),
+  ),
+  Mutant(
+    name="an_empty_window_keeps_its_sums",
+    guarantee="one state for both schedules (an empty window is emptied too)",
+    defect="a window closed without weight (weights 0, or summing to 0)"
+    " leaves its sums in the accumulator",
+    edits=(
+      Edit(
+        LOCAL,
+        "    return jax.tree.map(zeroed, accumulator)",
+        "    return accumulator",
+      ),
+    ),
+    tests=(
+      "tests/test_accumulate.py::AccumulateTest::test_every_close_leaves_the_accumulator_at_zero",
+    ),
+  ),
+  Mutant(
+    name="the_host_word_inverted",
+    guarantee="the host's schedule (closing=)",
+    defect="closing=False runs the closing side and closing=True keeps the"
+    " window open",
+    edits=(
+      Edit(SCHEDULE, "    if not self.closing:\n", "    if self.closing:\n"),
+    ),
+    tests=(
+      "tests/test_host_schedule.py::test_the_host_schedule_is_the_large_batch",
+    ),
+  ),
+  Mutant(
+    name="the_host_schedule_follows_the_counter",
+    guarantee="the host's schedule (the host's word decides)",
+    defect="under closing= the window closes where the counter says, not"
+    " where the host does",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "    del by_count, flush  # the host's word, whatever the counter says\n"
+        "    return jnp.asarray(self.closing)",
+        "    del flush\n    return by_count",
+      ),
+    ),
+    tests=(
+      "tests/test_host_schedule.py::test_the_hosts_word_decides_where_it_disagrees_with_the_counter",
+    ),
   ),
 )

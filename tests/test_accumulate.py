@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -63,15 +65,48 @@ class AccumulateTest(parameterized.TestCase):
     chex.assert_trees_all_close(state.accumulator, gradient(3))
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_a_stale_accumulator_is_overwritten_not_added_to(self):
-    tx = ga_optax.accumulate(optax.sgd(-1.0), 2)
-    update = self.variant(tx.update)
-    stale = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), PARAMS)
-    state = tx.init(PARAMS)._replace(accumulator=stale)
-    _, state = update(gradient(0), state, PARAMS)
-    updates, state = update(gradient(1), state, PARAMS)
-    mean = jax.tree.map(lambda a, b: (a + b) / 2, gradient(0), gradient(1))
-    chex.assert_trees_all_close(updates, mean)
+  @parameterized.product(
+    fused=(False, True),
+    host_scheduled=(False, True),
+    window=("steps", "without weight", "overflowed"),
+  )
+  def test_every_close_leaves_the_accumulator_at_zero(
+    self, fused, host_scheduled, window
+  ):
+    """A window adds to what the accumulator holds: every close empties it.
+
+    A close that steps, one that holds no weight and one whose sums
+    overflowed, in both outputs and both schedules.
+    """
+    overflow = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), PARAMS)
+    (first, first_weight), (last, last_weight) = {
+      "steps": [(gradient(0), 1.0), (gradient(1), 2.0)],
+      "without weight": [(gradient(0), 0.0), (gradient(1), 0.0)],
+      "overflowed": [(gradient(0), 1.0), (overflow, 1.0)],
+    }[window]
+    if fused:
+      tx = ga_optax.accumulate_and_apply(optax.sgd(0.1), 2)
+      step = tx.apply
+    else:
+      tx = ga_optax.accumulate(optax.sgd(0.1), 2)
+
+      def step(params, grads, state, **options):
+        return tx.update(grads, state, params, **options)
+
+    def call(grads, state, weight, closes):
+      closing = closes if host_scheduled else None
+      run = self.variant(functools.partial(step, closing=closing))
+      return run(PARAMS, grads, state, weight=weight)[1]
+
+    state = call(first, tx.init(PARAMS), first_weight, closes=False)
+    state = call(last, state, last_weight, closes=True)
+    self.assertEqual(int(state.micro_step), 0)
+    chex.assert_trees_all_equal(
+      state.accumulator, optax.tree.zeros_like(PARAMS)
+    )
+    # The next window holds its own gradient alone.
+    state = call(gradient(2), state, 1.0, closes=False)
+    chex.assert_trees_all_close(state.accumulator, gradient(2))
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_inner_optimizer_runs_once_per_window(self):

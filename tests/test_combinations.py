@@ -6,14 +6,19 @@ ways; plain ``jax.jit`` with ``unreduced_axes`` on Explicit axes, alone and
 with ``inner_state_axes`` as a rule and as a spec tree) x where the state is
 kept (device memory; the accumulator in host memory; the accumulator and the
 optimizer state in host memory) x what a call returns (``accumulate``'s
-updates, ``accumulate_and_apply``'s params), each case checkpointed
+updates, ``accumulate_and_apply``'s params), each case under one of three
+schedules (the device chooses the side, from its counter; the host does,
+with ``closing=``; or the host, then the device, then the host again,
+switching at window boundaries, the second switch right after a window the
+device closed with ``flush``) and checkpointed
 mid-window by every way its mode offers (a plain copy, ``stack`` /
 ``unstack_partial_sums``, ``consolidate`` / ``split_total``) or not at all.
 
 Every case runs the same ten micro-steps through all the other features at
 once: token weights (every micro-batch holds its own number of real rows,
 each device its own share), a ``{update_step: k}`` schedule (k = 2, then 3),
-a traced ``flush`` that closes a short window, a micro-step whose gradients
+a ``flush`` that closes a short window (``closing=True`` where the host
+schedules), a micro-step whose gradients
 are NaN, dropped by ``skip_nonfinite``, and the gradient noise scale, held
 to a NumPy computation of the contract from each mode's micro-gradients. The windows that result
 hold unequal weights, and plain SGD makes the update the gradient's own
@@ -58,6 +63,18 @@ NAN_STEP = 3  # its gradients are NaN: skipped, not counted
 FLUSH_STEP = 6  # closes the third window after 2 of its 3 micro-steps
 # What the schedule, the skip and the flush make of the ten micro-steps.
 WINDOWS = ((0, 1), (2, 4), (5, 6), (7, 8, 9))
+# The micro-steps a host schedule closes a window on.
+CLOSING_STEPS = frozenset(window[-1] for window in WINDOWS)
+# Who chooses the side of each micro-step: the device (None), or the host.
+SCHEDULES = {
+  "device": (None,) * NUM_MICRO_STEPS,
+  "host": tuple(index in CLOSING_STEPS for index in range(NUM_MICRO_STEPS)),
+  # Host, device for the flushed window (5, 6), host again.
+  "switching": tuple(
+    None if index in WINDOWS[2] else index in CLOSING_STEPS
+    for index in range(NUM_MICRO_STEPS)
+  ),
+}
 # The state is saved after eight micro-steps: the last window then holds
 # the partial sums of micro-step 7, its first. There every row of one device
 # is padding, so the devices differ in what they count (K, the weight) as
@@ -165,6 +182,7 @@ class Case:
   parallel: str
   residency: str
   path: str
+  schedule: str
   checkpoint: str
 
   @property
@@ -209,19 +227,24 @@ PATHS = ("accumulate", "accumulate_and_apply")
 
 
 def cases() -> list[Case]:
-  """Every mode x residency x path; the checkpoints cycle through each mode's.
+  """Every mode x residency x path; the schedules and the checkpoints cycle.
 
-  Along the residencies the cycle starts one checkpoint further on, so that
-  each of a mode's checkpoints meets both paths (a plain cycle would give a
-  mode of two checkpoints its second on one path only).
+  Along the residencies the schedule turns, one further on for the second
+  path and for each mode, so that each mode meets every schedule on both
+  paths and each residency every schedule; the checkpoints cycle the same
+  way, one further
+  on along the paths (a plain cycle would give a mode of two checkpoints
+  its second on one path only).
   """
+  schedules = list(SCHEDULES)
   generated = []
-  for parallel, checkpoints in CHECKPOINTS.items():
+  for mode, (parallel, checkpoints) in enumerate(CHECKPOINTS.items()):
     for (row, residency), (column, path) in itertools.product(
       enumerate(RESIDENCIES), enumerate(PATHS)
     ):
+      schedule = schedules[(mode + row + column) % len(schedules)]
       checkpoint = checkpoints[(row + column) % len(checkpoints)]
-      generated.append(Case(parallel, residency, path, checkpoint))
+      generated.append(Case(parallel, residency, path, schedule, checkpoint))
   return generated
 
 
@@ -234,23 +257,35 @@ class Runner:
       self.tx = ga_optax.accumulate(SGD, EVERY_K, **case.options)
     else:
       self.tx = ga_optax.accumulate_and_apply(SGD, EVERY_K, **case.options)
-    self.step = jax.jit(self._make_step())
+    # One program per side the host may choose, one for the device.
+    self.steps = {
+      closing: jax.jit(self._make_step(closing))
+      for closing in set(SCHEDULES[case.schedule])
+    }
 
-  def apply(self, params, grads, state, weight, flush):
+  def step(self, params: Any, state: Any, batch: Any, index: int) -> Any:
+    """Micro-step ``index``, on the side its schedule chooses."""
+    closing = SCHEDULES[self.case.schedule][index]
+    flush = jnp.asarray(index == FLUSH_STEP)
+    return self.steps[closing](params, state, batch, flush)
+
+  def apply(self, params, grads, state, weight, flush, closing):
+    # Where the host chooses, its closing=True closes the flushed window.
+    options = {"flush": flush} if closing is None else {"closing": closing}
     if self.case.path == "accumulate":
       updates, state = self.tx.update(
-        grads, state, params, weight=weight, flush=flush
+        grads, state, params, weight=weight, **options
       )
       return optax.apply_updates(params, updates), state
-    return self.tx.apply(params, grads, state, weight=weight, flush=flush)
+    return self.tx.apply(params, grads, state, weight=weight, **options)
 
-  def _make_step(self) -> Callable[..., Any]:
+  def _make_step(self, closing: bool | None) -> Callable[..., Any]:
     parallel = self.case.parallel
     if parallel == "one_device":
 
       def step(params, state, batch, flush):
         grads = jax.grad(token_mean_loss)(params, batch)
-        return self.apply(params, grads, state, tokens(batch), flush)
+        return self.apply(params, grads, state, tokens(batch), flush, closing)
 
       return step
     if parallel.startswith("shard_map"):
@@ -269,7 +304,7 @@ class Runner:
         else:
           weight = tokens(batch)
           grads = jax.grad(token_mean_loss)(params, batch)
-        return self.apply(params, grads, state, weight, flush)
+        return self.apply(params, grads, state, weight, flush, closing)
 
       return jax.shard_map(
         local,
@@ -284,7 +319,7 @@ class Runner:
 
     def step(params, state, batch, flush):
       _, grads = value_and_grad(params, batch)
-      return self.apply(params, grads, state, tokens(batch), flush)
+      return self.apply(params, grads, state, tokens(batch), flush, closing)
 
     return step
 
@@ -357,9 +392,8 @@ def test_the_combination_ends_where_the_large_batch_ends(case: Case):
     for index, batch in enumerate(batches):
       if index == CHECKPOINT_AFTER:
         state = runner.checkpoint(state, params)
-      flush = jnp.asarray(index == FLUSH_STEP)
       batch = runner.place(batch, P("data"))
-      params, state = runner.step(params, state, batch, flush)
+      params, state = runner.step(params, state, batch, index)
   assert int(ga_optax.applied_updates(state)) == len(WINDOWS)
   assert int(ga_optax.num_skipped(state)) == 1
   assert_finite_and_close(params, expected)

@@ -1,7 +1,7 @@
 """The window's sides in the compiled program, and the path audit itself.
 
-Each side of the window is a loop of at most one trip named by its scope (on
-the CPU: the gradient is added first, and the closing side is a
+The gradient is added outside any branch; each branch that closes the
+window is a loop of at most one trip named by its scope (on the CPU, a
 conditional). On the program this backend compiles: the sides are there,
 nothing of the closing side runs on a micro-step, and on 8 simulated devices a ZeRO-1
 micro-step exchanges scalars only (tests/test_gpu_program.py holds the same
@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax import testing
-from ga_optax._src.window import window_form
 
 
 def loss_fn(params, batch):
@@ -70,15 +69,15 @@ def compiled_step(tx, fused=False):
 def test_the_optimizer_runs_only_on_the_closing_side(make):
   tx, fused = make()
   program = compiled_step(tx, fused)
-  # In the conditional form (the CPU's) the gradient is added before the
-  # closing side, which is a conditional; in the loop form both sides are
-  # loops (window_form.py says why).
-  form = window_form.form_for(jax.default_backend())
-  keep_open = 1 if form == window_form.LOOPS else 0
-  assert testing.window_sides(program) == {
-    "keep_open": keep_open,
-    "close_window": 1,
-  }
+  # In either form the gradient is added before any branch. The closing
+  # side holds the optimizer's step (where the window has weight); the
+  # updates' buffer, the accumulator's, is zeroed once they are read, and
+  # the params' owner empties a window closed without weight itself.
+  assert testing.window_sides(program) == (
+    {"keep_open": 0, "close_window": 2, "empty_window": 1}
+    if fused
+    else {"keep_open": 0, "close_window": 3, "empty_window": 0}
+  )
   micro_step = testing.path_audit(program, "micro_step")
   closing = testing.path_audit(program, "closing")
   assert micro_step.misplaced_closing_work == []
@@ -226,7 +225,11 @@ def test_the_closing_path_runs_the_closing_side_and_the_true_branch():
 
 
 def test_window_sides_are_found_by_their_scopes():
-  assert testing.window_sides(HLO) == {"keep_open": 1, "close_window": 1}
+  assert testing.window_sides(HLO) == {
+    "keep_open": 1,
+    "close_window": 1,
+    "empty_window": 0,
+  }
   # The window's sides are branches, not loops over micro-batches.
   assert testing.loop_collectives(HLO) == []
   found = testing.window_collectives(HLO)

@@ -167,8 +167,9 @@ def _rows(microbatch) -> int:
   return microbatch["x"].shape[0]
 
 
+@pytest.mark.parametrize("host_scheduled", [False, True])
 @pytest.mark.parametrize("grads_from", ["filter_grad", "microbatched"])
-def test_accumulate_with_a_filtered_model(grads_from):
+def test_accumulate_with_a_filtered_model(grads_from, host_scheduled):
   tx = ga_optax.accumulate(optax.sgd(LEARNING_RATE), 2)
   model = _model()
   state = tx.init(eqx.filter(model, eqx.is_array))
@@ -180,16 +181,21 @@ def test_accumulate_with_a_filtered_model(grads_from):
     def grad_fn(model, batch):
       return value_and_grad(model, batch)[1]
 
+  # filter_jit keeps a Python bool static: one program per side.
   @eqx.filter_jit
-  def micro_step(model, state, microbatch):
+  def micro_step(model, state, microbatch, closing):
     grads = grad_fn(model, microbatch)
     params = eqx.filter(model, eqx.is_array)
-    updates, state = tx.update(grads, state, params, weight=_rows(microbatch))
+    updates, state = tx.update(
+      grads, state, params, weight=_rows(microbatch), closing=closing
+    )
     return eqx.apply_updates(model, updates), state
 
   for window in _windows():
-    for microbatch in window:
-      model, state = micro_step(model, state, microbatch)
+    for index, microbatch in enumerate(window):
+      # The host's schedule: the window's last micro-batch closes it.
+      closing = index == len(window) - 1 if host_scheduled else None
+      model, state = micro_step(model, state, microbatch, closing)
   assert int(ga_optax.applied_updates(state)) == 2
   _assert_close(model, _large_batch_sgd())
 

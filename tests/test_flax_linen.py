@@ -163,6 +163,28 @@ def _train_per_call(loss_fn, weight_fn, params, data):
   return state
 
 
+def _train_host_scheduled(loss_fn, weight_fn, params, data):
+  """The loop says which micro-batch closes each window (``closing=``)."""
+  state = train_state.TrainState.create(
+    apply_fn=None,
+    params=_fresh(params),
+    tx=ga_optax.accumulate(flax_cases.optimizer(), flax_cases.MICRO_BATCHES),
+  )
+
+  @functools.partial(jax.jit, donate_argnums=0, static_argnames="closing")
+  def step(state, microbatch, closing):
+    grads = jax.grad(loss_fn)(state.params, microbatch)
+    return ga_optax.apply_gradients(
+      state, grads, weight=weight_fn(microbatch), closing=closing
+    )
+
+  for batch in flax_cases.windows(data):
+    microbatches = list(flax_cases.microbatches(batch))
+    for index, microbatch in enumerate(microbatches):
+      state = step(state, microbatch, closing=index == len(microbatches) - 1)
+  return state
+
+
 def _train_in_step(loss_fn, weight_fn, params, data):
   state = train_state.TrainState.create(
     apply_fn=None, params=_fresh(params), tx=flax_cases.optimizer()
@@ -188,7 +210,10 @@ def test_accumulation_matches_large_batch_training(name):
   large = _train_large_batch(loss_fn, params, data)
   per_call = _train_per_call(loss_fn, weight_fn, params, data)
   in_step = _train_in_step(loss_fn, weight_fn, params, data)
+  host = _train_host_scheduled(loss_fn, weight_fn, params, data)
+  chex.assert_tree_all_finite(large.params)
   chex.assert_trees_all_close(per_call.params, large.params, atol=2e-5)
+  chex.assert_trees_all_close(host.params, large.params, atol=2e-5)
   chex.assert_trees_all_close(in_step.params, large.params, atol=2e-5)
   # The runs must have moved: equal parameters are not trivially the start.
   moved = jax.tree.map(

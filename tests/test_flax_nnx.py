@@ -3,6 +3,7 @@ micro-batching of an NNX model, both matching large-batch training."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -149,6 +150,29 @@ def _train_per_call(make_model, loss_fn, weight_fn, data):
   return model, optimizer, emitted
 
 
+def _train_host_scheduled(make_model, loss_fn, weight_fn, data):
+  """The loop says which micro-batch closes each window (``closing=``)."""
+  model = make_model()
+  optimizer = nnx.Optimizer(
+    model,
+    ga_optax.accumulate(flax_cases.optimizer(), flax_cases.MICRO_BATCHES),
+    wrt=nnx.Param,
+  )
+
+  @functools.partial(nnx.jit, static_argnames="closing")
+  def step(model, optimizer, microbatch, closing):
+    grads = nnx.grad(loss_fn)(model, microbatch)
+    optimizer.update(
+      model, grads, weight=weight_fn(microbatch), closing=closing
+    )
+
+  for batch in flax_cases.windows(data):
+    microbatches = list(flax_cases.microbatches(batch))
+    for index, microbatch in enumerate(microbatches):
+      step(model, optimizer, microbatch, index == len(microbatches) - 1)
+  return model
+
+
 def _train_in_step(make_model, loss_fn, weight_fn, data):
   model = make_model()
   optimizer = nnx.Optimizer(model, flax_cases.optimizer(), wrt=nnx.Param)
@@ -182,7 +206,10 @@ def test_accumulation_matches_large_batch_training(name):
     make_model, loss_fn, weight_fn, data
   )
   in_step = _train_in_step(make_model, loss_fn, weight_fn, data)
+  host = _train_host_scheduled(make_model, loss_fn, weight_fn, data)
+  chex.assert_tree_all_finite(large)
   chex.assert_trees_all_close(nnx.state(per_call, nnx.Param), large, atol=2e-5)
+  chex.assert_trees_all_close(nnx.state(host, nnx.Param), large, atol=2e-5)
   chex.assert_trees_all_close(nnx.state(in_step, nnx.Param), large, atol=2e-5)
   moved = jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), large, start)
   assert max(jax.tree.leaves(moved)) > 1e-3

@@ -109,6 +109,18 @@ class PathAudit(NamedTuple):
     return sum(copy.bytes for copy in self.copies if copy.bytes >= at_least)
 
 
+def side_runs(side: str, path: Path) -> bool:
+  """Whether a branch of the window, named by its scope, runs on ``path``.
+
+  The closing branches run when a window closes; the branch that empties a
+  window closed without weight runs on neither path (a micro-step keeps the
+  window open, and a closing step that steps the optimizer has weight).
+  """
+  if side == run_once.EMPTY_WINDOW:
+    return False
+  return (side == run_once.CLOSE_WINDOW) == (path == "closing")
+
+
 def trips_on_path(instruction: HloInstruction, path: Path) -> int:
   """The trips a loop makes on ``path``: a window side's 0 or 1, else XLA's.
 
@@ -116,8 +128,7 @@ def trips_on_path(instruction: HloInstruction, path: Path) -> int:
   """
   side = window_side(instruction)
   if side is not None:
-    runs = (side == run_once.CLOSE_WINDOW) == (path == "closing")
-    return int(runs)
+    return int(side_runs(side, path))
   return instruction.trip_count if instruction.trip_count is not None else 1
 
 
@@ -129,13 +140,10 @@ def branches_taken(instruction: HloInstruction, path: Path) -> list[str]:
   if instruction.opcode != "conditional":
     return list(instruction.callees)
   side = window_side(instruction)
-  if side is None:
-    closing = path == "closing"
-  else:
-    # A side of the window compiled as a conditional: its true branch is
-    # the side's body, taken on the path that runs the side.
-    closing = (side == run_once.CLOSE_WINDOW) == (path == "closing")
-  return [instruction.callees[-1 if closing else 0]]
+  # A side of the window compiled as a conditional: its true branch is the
+  # side's body, taken on the path that runs the side.
+  runs = path == "closing" if side is None else side_runs(side, path)
+  return [instruction.callees[-1 if runs else 0]]
 
 
 def _from_closing_side(module: HloModule, instruction: HloInstruction) -> bool:
@@ -297,7 +305,7 @@ def _holds_a_window(module: HloModule) -> bool:
   The sides' loops, or what the compiler made of them: their work hoisted
   out, or selects where their conditional was.
   """
-  scopes = {run_once.KEEP_OPEN, run_once.CLOSE_WINDOW}
+  scopes = set(run_once.SIDES)
   return any(
     not scopes.isdisjoint(instruction.op_name.split("/"))
     for instructions in module.computations.values()
@@ -309,13 +317,15 @@ def window_sides(program: Any) -> dict[str, int]:
   """How many loops (on the CPU, conditionals) of each window side it holds.
 
   Returns:
-    ``{"keep_open": n, "close_window": m}``: a step built on one
-    ``accumulate`` holds one of each (and, for a window whose weight is
-    known only after its reduction, a second closing side inside the
-    first).
+    ``{"keep_open": n, "close_window": m, "empty_window": e}``. A step built
+    on one ``accumulate`` adds its gradient outside any branch (n = 0) and
+    holds one closing loop (m >= 1: the branch that steps the optimizer, and
+    the one that zeroes the accumulator after its buffer carried the updates
+    out, are closing loops too) and one that empties a window closed
+    without weight. A host-scheduled step holds none.
   """
   module = as_module(program)
-  found = {run_once.KEEP_OPEN: 0, run_once.CLOSE_WINDOW: 0}
+  found = dict.fromkeys(run_once.SIDES, 0)
   for instructions in module.computations.values():
     for instruction in instructions:
       side = window_side(instruction)
@@ -324,4 +334,5 @@ def window_sides(program: Any) -> dict[str, int]:
   return {
     "keep_open": found[run_once.KEEP_OPEN],
     "close_window": found[run_once.CLOSE_WINDOW],
+    "empty_window": found[run_once.EMPTY_WINDOW],
   }

@@ -319,9 +319,7 @@ def window_side(instruction: HloInstruction) -> str | None:
     return None
   scopes = instruction.op_name.split("/")
   found = [
-    index
-    for index, scope in enumerate(scopes)
-    if scope in (run_once.KEEP_OPEN, run_once.CLOSE_WINDOW)
+    index for index, scope in enumerate(scopes) if scope in run_once.SIDES
   ]
   if not found:
     return None

@@ -127,7 +127,14 @@ def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
   ks_array = np.asarray(ks, dtype=np.int32)
 
   def every_k_of(update_step: jax.Array) -> jax.Array:
-    piece = jnp.searchsorted(starts_array, update_step, side="right") - 1
+    # Compared with every start, a handful: no loop (searchsorted's default
+    # method is one), so a program that closes a window has no control flow.
+    piece = (
+      jnp.searchsorted(
+        starts_array, update_step, side="right", method="compare_all"
+      )
+      - 1
+    )
     return jnp.asarray(ks_array)[piece]
 
   return every_k_of

@@ -42,13 +42,8 @@ from ga_optax._src.placements.unreduced import Unreduced, WholeState
 class Parallel(Protocol):
   """How a window spread over devices is kept, checked and reduced."""
 
-  @property
-  def weights_are_global(self) -> bool:
-    """Whether each device knows the window's whole weight before reducing.
-
-    Then an empty window is known before the window closes, and the mean is
-    formed as the last gradient is added.
-    """
+  def window_weight(self, weight_sum: jax.Array) -> jax.Array:
+    """The window's weight over every device (closing only)."""
     ...
 
   @property
@@ -86,10 +81,12 @@ class Parallel(Protocol):
     """Operands of the updates' sharding that may carry them (by name)."""
     ...
 
-  def reduce(
-    self, accumulator: Any, weight_sum: jax.Array, params: Any
-  ) -> tuple[Any, jax.Array]:
-    """The window's sum and weight over every device (closing only)."""
+  def reduce(self, accumulator: Any, params: Any) -> Any:
+    """The window's sum over every device (closing only)."""
+    ...
+
+  def emptied(self, accumulator: Any) -> Any:
+    """Zeros of the accumulator's type, to be written over it in place."""
     ...
 
   def own_gradients(self, grads: Any, weight: Any) -> parts.OwnGradients:

@@ -32,8 +32,6 @@ class Collective(local.Local):
   """
 
   axes: axes_lib.Axes
-  # Each device knows only its own weights until the closing reduction.
-  weights_are_global = False
 
   def check_update(self, grads: Any, weight: Any) -> None:
     """Checks that the axes are bound here and how the gradients vary.
@@ -93,12 +91,13 @@ class Collective(local.Local):
       return value
     return parts.across_axes(value, combine, self.axes)
 
-  def reduce(
-    self, accumulator: Any, weight_sum: jax.Array, params: Any
-  ) -> tuple[Any, jax.Array]:
+  def window_weight(self, weight_sum: jax.Array) -> jax.Array:
+    # Each device knows only its own weights until the closing reduction.
+    return jax.lax.psum(weight_sum, self.axes)
+
+  def reduce(self, accumulator: Any, params: Any) -> Any:
     del params
-    weight_sum = jax.lax.psum(weight_sum, self.axes)
     if axes_lib.tracks_variance(self.axes):
       # Each gradient is already the sum over the devices.
-      return accumulator, weight_sum
-    return jax.lax.psum(accumulator, self.axes), weight_sum
+      return accumulator
+    return jax.lax.psum(accumulator, self.axes)

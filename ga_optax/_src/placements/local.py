@@ -28,7 +28,6 @@ class Local(parts.OnThisDevice):
   gradients are the same on every device.
   """
 
-  weights_are_global = True
   unreduced_axes: axes_lib.Axes = ()
 
   def check_init(self) -> None:
@@ -56,11 +55,15 @@ class Local(parts.OnThisDevice):
   def carriers(self, accumulator: Any, grads: Any) -> dict[str, Any]:
     return {"accumulator": accumulator, "grads": grads}
 
-  def reduce(
-    self, accumulator: Any, weight_sum: jax.Array, params: Any
-  ) -> tuple[Any, jax.Array]:
+  def window_weight(self, weight_sum: jax.Array) -> jax.Array:
+    return weight_sum
+
+  def reduce(self, accumulator: Any, params: Any) -> Any:
     del params
-    return accumulator, weight_sum
+    return accumulator
+
+  def emptied(self, accumulator: Any) -> Any:
+    return jax.tree.map(zeroed, accumulator)
 
   def own_gradients(self, grads: Any, weight: Any) -> parts.OwnGradients:
     # Each call's gradient is one micro-gradient.
@@ -75,3 +78,14 @@ class Local(parts.OnThisDevice):
     extra_args: dict[str, Any],
   ) -> tuple[Any, Any]:
     return inner.update(grads, inner_state, params, **extra_args)
+
+
+def zeroed(leaf: jax.Array) -> jax.Array:
+  """Zeros made from ``leaf``, to be written over it in place.
+
+  A broadcast 0 would be one constant that XLA shares among the leaves of
+  one shape and then copies into each leaf's buffer; zeros computed from the
+  leaf are written where it is read. A leaf that is not finite (a window
+  that overflowed) gives zeros too.
+  """
+  return jnp.where(jnp.isfinite(leaf), leaf * 0, jnp.zeros_like(leaf))

@@ -95,8 +95,6 @@ class Unreduced:
 
   unreduced_axes: axes_lib.Axes
   state: StatePlacement
-  # The micro-step's weight is the global one (the batch's, not a device's).
-  weights_are_global = True
 
   def check_init(self) -> None:
     axes_lib.check_explicit(self.unreduced_axes, "unreduced_axes")
@@ -160,10 +158,16 @@ class Unreduced:
     del accumulator, grads
     return {}
 
-  def reduce(
-    self, accumulator: Any, weight_sum: jax.Array, params: Any
-  ) -> tuple[Any, jax.Array]:
-    return self.state.reduce(accumulator, params), weight_sum
+  def window_weight(self, weight_sum: jax.Array) -> jax.Array:
+    # The micro-step's weight is the global one (the batch's, not a device's).
+    return weight_sum
+
+  def reduce(self, accumulator: Any, params: Any) -> Any:
+    return self.state.reduce(accumulator, params)
+
+  def emptied(self, accumulator: Any) -> Any:
+    # A partial sum cannot be read elementwise; its zeros keep its type.
+    return jax.tree.map(jnp.zeros_like, accumulator)
 
   def inner_update(
     self,

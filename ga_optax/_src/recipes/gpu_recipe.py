@@ -1,16 +1,24 @@
 """The XLA options under which a GPU runs the window without a host wait.
 
-Each side of the window is a loop of at most one trip
-(:mod:`ga_optax._src.window.run_once`). XLA:GPU runs a loop outside a command
-buffer (a CUDA graph) from the host: before each trip it copies the
-predicate to the host and waits for the device, 3 waits per micro-step in
-all, and while it waits it queues nothing. Inside a command buffer the
-loop is a conditional node that the device evaluates itself. XLA's default
-command-buffer kinds leave loops out; :func:`gpu_compiler_options` adds
-them, and the collectives the closing side may hold.
+Each branch of the device-scheduled window is a loop of at most one trip
+(:mod:`ga_optax._src.window.run_once`). XLA:GPU runs a loop outside a
+command buffer (a CUDA graph) from the host: before each trip it copies the
+predicate to the host and waits for the device, and while it waits it
+queues nothing. Inside a command buffer the loop is a conditional node that
+the device evaluates itself. XLA's default command-buffer kinds leave loops
+out; :func:`gpu_compiler_options` adds them, and the collectives the closing
+side may hold.
+
+On a real GPU those captured loops gave wrong numbers (an NVIDIA H200, jax
+and jaxlib 0.11.2, 2026-11-28: windows closed on the wrong call, and with
+only WHILE captured the parameters drifted from XLA's defaults' by 5e-3):
+the function warns. A training loop written in Python has no loop to
+capture: ``update(..., closing=...)``.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jaxlib
 
@@ -43,12 +51,23 @@ def _jaxlib_version() -> tuple[int, ...]:
 def gpu_compiler_options(*, collectives: bool = True) -> dict[str, str]:
   """XLA options under which a GPU runs the window without a host wait.
 
+  .. warning::
+     On an NVIDIA H200 with jax 0.11.2 these options gave **wrong numbers**:
+     XLA:GPU's loops captured in CUDA graphs closed windows on the wrong
+     call (docs/benchmarks.md, "0.6 on one H200"). Every call warns. Pass
+     ``closing=`` from a Python loop instead (a program without control flow
+     needs no options), or keep XLA's defaults, which were exact there.
+     Use these only where a check on your GPU and jax, such as
+     :func:`ga_optax.testing.compare_with_large_batch` with the options,
+     passes.
+
   Pass them to ``jax.jit(step, compiler_options=...)``. They let XLA:GPU
   capture the window's loops (and the collectives of a window reduced
   across GPUs) in its command buffers, the CUDA graphs it replays: the
   device then decides which side of the window runs, and the host queues
   a whole step without waiting for it. Under XLA's defaults the host
-  waits 3 times on every micro-step (docs/how-to/gpu.md). The option
+  waits before each of the window's loops (2 times on an ``accumulate``
+  micro-step; docs/how-to/gpu.md). The option
   replaces XLA's list of command-buffer kinds, so the list repeats XLA's
   defaults of the installed jaxlib.
 
@@ -92,6 +111,16 @@ def gpu_compiler_options(*, collectives: bool = True) -> dict[str, str]:
   """
   if not isinstance(collectives, bool):
     raise TypeError(f"collectives must be True or False, got {collectives!r}.")
+  warnings.warn(
+    "ga_optax.gpu_compiler_options() captures the window's loops in CUDA"
+    " graphs, which gave wrong numbers on an NVIDIA H200 with jax 0.11.2"
+    " (windows closed on the wrong call). Prefer update(..., closing=...)"
+    " from a Python loop (no loop to capture), or XLA's defaults; use these"
+    " options only where ga_optax.testing.compare_with_large_batch passes"
+    " with them on your GPU.",
+    RuntimeWarning,
+    stacklevel=2,
+  )
   kinds = list(_XLA_DEFAULT_KINDS)
   if _jaxlib_version() >= _COLLECTIVE_KERNELS_SINCE:
     kinds.append("COLLECTIVES_KERNEL")

@@ -134,6 +134,7 @@ def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
     *,
     weight: Any,
     flush: Any,
+    closing: Any,
     extra_args: dict[str, Any],
   ) -> tuple[Any, AccumulateState]:
     if not eager.is_traced((grads, state, params, weight, flush, extra_args)):
@@ -141,7 +142,13 @@ def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
       # int32 array weight then share one compiled program.
       weight = jnp.asarray(weights.check(weight), window.weight_dtype)
     return step(
-      grads, state, params, weight=weight, flush=flush, extra_args=extra_args
+      grads,
+      state,
+      params,
+      weight=weight,
+      flush=flush,
+      closing=closing,
+      extra_args=extra_args,
     )
 
   return checked_step

@@ -1,21 +1,21 @@
-"""One ``update`` call: a micro-step, and the two sides it may run.
+"""One ``update`` call: a micro-step, and the closing side it may run.
 
 :func:`update` is the window's ``update``: :meth:`Window.admit` says whether
 the micro-step counts and with what weight, :meth:`Window.decide` whether
-the window closes, and :class:`MicroStep` runs one of its two sides: keep
-the window open (add the weighted gradient into the accumulator), or close
-it (:class:`ClosingSide`: add the last gradient, reduce over the devices,
-normalise, step the wrapped optimizer once).
+the window closes, :class:`MicroStep` adds the weighted gradient into the
+accumulator, and :class:`ClosingSide` closes the window (reduce over the
+devices, normalise, step the wrapped optimizer once, leave the accumulator
+at zero). Who decides whether the closing side runs is the schedule
+(:mod:`ga_optax._src.window.schedule`): the device, as a branch of one
+program, or the host, as one of two programs without control flow.
 
-How buffers flow decides the cost (see docs/compiled-window.md): each side
-is a loop of at most one trip (:mod:`ga_optax._src.window.run_once`) that
-carries only what it writes, in place, so a micro-step copies nothing on
-XLA:GPU; the first micro-step of a window overwrites the accumulator instead
-of adding, so no call spends a pass zeroing it; and the closing side adds
-the last gradient in the optimizer's own pass, so the accumulator is read
-once. On the CPU, where loop bodies run on one core, the gradient is added
-first and the closing side is a conditional (:meth:`MicroStep.add_first`);
-the choice of form is made in :mod:`ga_optax._src.window.window_form`.
+How buffers flow decides the cost (see docs/compiled-window.md). The
+gradient is added before any branch, as a plain add into a donated
+accumulator that every close leaves at zero: XLA:GPU then writes each
+layer's sum in the epilogue of the matrix product that makes its gradient,
+and no whole gradient is ever held. The closing side reads the sum once,
+in the optimizer's pass, and carries only what it writes, in place, so a
+micro-step copies nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from ga_optax._src import validation
 from ga_optax._src.algebra import fp8, parts, weights
 from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.placements import residency
-from ga_optax._src.window import run_once, window_form
+from ga_optax._src.window import run_once
+from ga_optax._src.window import schedule as schedule_lib
 from ga_optax._src.window.state import AccumulateState, check_state
 from ga_optax._src.window.window import Admitted, Decision, Window
 
@@ -45,6 +46,7 @@ def update(
   *,
   weight: Any,
   flush: Any,
+  closing: Any,
   extra_args: dict[str, Any],
 ) -> tuple[Any, AccumulateState]:
   """One micro-step: the output (updates, or new params) and the state."""
@@ -57,12 +59,21 @@ def update(
   )
   weight = weights.check(weight)
   flush = validation.check_flush(flush)
+  schedule = schedule_lib.of(closing)
+  if closing is not None and flush is not False:
+    raise ValueError(
+      "flush= closes a window on the device's schedule; with closing= the"
+      " host's word decides: pass closing=True to close the window now (with"
+      f" what it holds, as a flush does), got flush={flush!r} with"
+      f" closing={closing!r}."
+    )
   window.parallel.check_update(grads, weight)
 
   admitted = window.admit(grads, state, weight)
-  decision = window.decide(state, admitted, flush)
+  decision = window.decide(state, admitted, schedule, flush)
   micro_step = MicroStep(
     window,
+    schedule,
     grads,
     state,
     params,
@@ -72,44 +83,41 @@ def update(
     extra_args,
     accumulator=residency.to_device_after(state.accumulator, grads),
   )
-  accumulator, closed = window_form.choose(
-    decision.steps,
-    conditional=micro_step.add_first,
-    loops=micro_step.folded,
+  opened = micro_step.keep_open()
+  closing_side = ClosingSide(micro_step)
+  closed = schedule.close_window(
+    decision.closes, closing_side.close, closing_side.carry(opened)
   )
-  output = closed[micro_step.carrier]
+  stepped = closed["stepped"]
+  output = micro_step.emit(closed[micro_step.carrier], stepped)
   new_state = AccumulateState(
     micro_step=jnp.where(decision.closes, 0, decision.micro_step),
-    update_step=increment_if(state.update_step, closed["stepped"]),
+    update_step=increment_if(state.update_step, stepped),
     every_k=closed["every_k"],
     num_skipped=increment_if(state.num_skipped, ~admitted.accepted),
-    emitted=closed["stepped"],
+    emitted=stepped,
     weight_sum=jnp.where(
       decision.closes,
       jnp.zeros_like(admitted.weight_sum),
       admitted.weight_sum,
     ),
-    accumulator=window.accumulator_home.keep(accumulator),
+    accumulator=window.accumulator_home.keep(
+      micro_step.cleared(closed["accumulator"])
+    ),
     inner_state=closed["inner_state"],
     noise_scale=closed["noise"],
     fp8_window=state.fp8_window,
   )
-  return micro_step.emit(output, closed["stepped"]), new_state
+  return output, new_state
 
 
 @dataclasses.dataclass
 class MicroStep:
-  """One ``update`` call: what both its sides read, and the side that adds.
-
-  Each side is the body of a loop of at most one trip
-  (:func:`ga_optax._src.window.run_once.run_once_if`) and carries only what it
-  writes: keeping the window open (:meth:`keep_open`) adds the gradient into
-  the accumulator; closing it (:class:`ClosingSide`) adds the last gradient,
-  reduces, normalises and steps the wrapped optimizer once, writing its
-  output into the :attr:`carrier`'s buffer.
+  """One ``update`` call: what the closing side reads, and the add.
 
   Attributes:
     window: the accumulation's configuration.
+    schedule: who decides whether the window closes.
     grads: this micro-step's gradients.
     state: the state before this micro-step.
     params: the params (None when the transformation is called without).
@@ -125,6 +133,7 @@ class MicroStep:
   """
 
   window: Window
+  schedule: schedule_lib.Schedule
   grads: optax.Updates
   state: AccumulateState
   params: optax.Params | None
@@ -140,7 +149,7 @@ class MicroStep:
     parallel = self.window.parallel
 
     def inner_updates(grads: Any) -> Any:
-      reduced, _ = parallel.reduce(grads, jnp.ones(()), self.params)
+      reduced = parallel.reduce(grads, self.params)
       return parallel.inner_update(
         self.window.inner,
         reduced,
@@ -154,27 +163,26 @@ class MicroStep:
   @functools.cached_property
   def carrier(self) -> str:
     """The buffer the closing side writes its output into."""
-    carriers = self.window.parallel.carriers(self.state.accumulator, self.grads)
-    return self.window.output.carrier(self.updates_like, carriers)
+    carriers = self.window.parallel.carriers(self.accumulator, self.grads)
+    return self.window.output.carrier(
+      self.updates_like, self.schedule.carriers(carriers)
+    )
 
   def added(self, accumulator: optax.Updates, grads: optax.Updates) -> Any:
-    """``accumulator`` with ``weight * grads`` added, scaled by the decision.
+    """``accumulator`` with ``weight * grads`` added: a plain add.
 
-    The first micro-step of a window overwrites the stale buffer: a select,
-    not a multiply, since a stale buffer may hold anything, NaN too.
+    Every close leaves the accumulator at zero, so a window's first
+    micro-step adds like any other, and XLA:GPU can write the sum where
+    the gradient's matrix product ends.
     """
     window, admitted = self.window, self.admitted
-    restarts = self.state.micro_step == 0
     weight = window.parallel.factor(self.weight)
-    scale = window.parallel.factor(self.decision.scale)
-    scaled = window.parallel.weights_are_global and window.reduction == "mean"
 
     def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
-      kept = jnp.where(restarts, jnp.zeros_like(total), total)
-      added = kept + weights.weighted(grad, weight, total.dtype)
+      added = total + weights.weighted(grad, weight, total.dtype)
       if window.skip_nonfinite:
         added = jnp.where(admitted.accepted, added, total)
-      return added * scale.astype(added.dtype) if scaled else added
+      return added
 
     return jax.tree.map(add_grad, accumulator, grads)
 
@@ -187,56 +195,15 @@ class MicroStep:
       functools.partial(self.window.parallel.own_gradients, grads),
     )
 
-  def folded(self, steps: jax.Array) -> tuple[Any, dict[str, Any]]:
-    """The two sides as loops, the last gradient added by the closing one.
-
-    What XLA:GPU compiles best: each side updates its buffers in place, and
-    the closing side reads the accumulator once. Returns the accumulator
-    and what the closing side left.
-    """
-    opened = run_once.run_once_if(
-      ~steps, self.keep_open, self.open_carry(), name=run_once.KEEP_OPEN
-    )
-    closing = ClosingSide(self, opened["accumulator"], adds=True)
-    closed = run_once.run_once_if(
-      steps, closing.close, closing.carry(opened), name=run_once.CLOSE_WINDOW
-    )
-    return closed.get("accumulator", opened["accumulator"]), closed
-
-  def add_first(self, steps: jax.Array) -> tuple[Any, dict[str, Any]]:
-    """The gradient added first, then the closing side alone.
-
-    What XLA:CPU compiles best: it splits the add over the cores outside
-    any branch, and adds the gradient as its product comes out, one
-    parameter at a time; inside a branch, every gradient would be alive at
-    once (a micro-step of the reference MLP took twice as long).
-    """
-    opened = self.keep_open(self.open_carry())
-    closing = ClosingSide(self, opened["accumulator"], adds=False)
-    closed = run_once.run_once_if(
-      steps, closing.close, closing.carry(opened), name=run_once.CLOSE_WINDOW
-    )
-    return closed.get("accumulator", opened["accumulator"]), closed
-
-  def open_carry(self) -> dict[str, Any]:
-    """What keeping the window open writes: the accumulator, the noise sums."""
-    return {"accumulator": self.accumulator, "noise": self.state.noise_scale}
-
-  def keep_open(self, carry: dict[str, Any]) -> dict[str, Any]:
-    """The gradient added: the side of a micro-step that does not step.
-
-    A window that closes without stepping (flushed, or full, with no
-    weight) emits nothing and starts anew.
-    """
-    noise: Any = self.window.noise.add(
-      carry["noise"], self.micro_batch(self.grads)
-    )
-    return {
-      "accumulator": self.added(carry["accumulator"], self.grads),
-      "noise": self.window.noise.reset(
-        noise, self.decision.closes & ~self.decision.steps
-      ),
-    }
+  def keep_open(self) -> dict[str, Any]:
+    """The gradient added, outside any branch: the accumulator, the noise."""
+    # None where the noise scale is not measured: Unmeasured adds nothing.
+    noise: Any = self.state.noise_scale
+    with jax.named_scope(run_once.KEEP_OPEN):
+      return {
+        "accumulator": self.added(self.accumulator, self.grads),
+        "noise": self.window.noise.add(noise, self.micro_batch(self.grads)),
+      }
 
   def emit(self, output: Any, stepped: jax.Array) -> Any:
     """The closing side's output as the caller sees it."""
@@ -244,36 +211,44 @@ class MicroStep:
       output, stepped, self.updates_like, self.carrier
     )
 
+  def cleared(self, accumulator: optax.Updates) -> optax.Updates:
+    """The accumulator at zero once the window has closed.
+
+    The closing side zeroes it itself, but where its buffer carried the
+    updates out: those are read first, then the buffer is zeroed in place,
+    by a branch of its own that a micro-step skips.
+    """
+    if self.carrier != "accumulator":
+      return accumulator
+    return self.schedule.branch(
+      self.decision.closes,
+      self.window.parallel.emptied,
+      accumulator,
+      name=run_once.CLOSE_WINDOW,
+    )
+
 
 @dataclasses.dataclass
 class ClosingSide:
   """The side of a micro-step that closes the window.
 
-  It adds the last gradient, reduces the window over the devices,
-  normalises it and steps the wrapped optimizer once, writing its output
-  (updates, or new params) into the micro-step's carrier buffer; then it
-  decides the next window's k.
+  It reduces the window over the devices, normalises it and steps the
+  wrapped optimizer once, writing its output (updates, or new params) into
+  the micro-step's carrier buffer; it decides the next window's k, and
+  leaves the accumulator at zero. A window that holds no weight closes
+  without a step.
 
   Attributes:
     micro_step: the micro-step it is a side of.
-    opened_accumulator: the accumulator as the other side left it, read
-      when it does not carry the output.
-    adds: whether this side adds the last gradient (it is then not in
-      ``opened_accumulator``, since the other side did not run).
   """
 
   micro_step: MicroStep
-  opened_accumulator: optax.Updates
-  adds: bool
 
   def carry(self, opened: dict[str, Any]) -> dict[str, Any]:
-    """What closing the window writes, its output's buffer among them.
-
-    The accumulator is carried only when it is that buffer; otherwise the
-    closing side reads it where keeping the window open left it.
-    """
+    """What closing the window writes, its output's buffer among them."""
     micro_step = self.micro_step
     carry = {
+      "accumulator": opened["accumulator"],
       "inner_state": micro_step.window.inner_state_home.keep(
         micro_step.state.inner_state
       ),
@@ -284,71 +259,68 @@ class ClosingSide:
       "every_k": micro_step.state.every_k,
       "stepped": jnp.zeros((), jnp.bool_),
     }
-    if micro_step.carrier == "accumulator":
-      carry["accumulator"] = opened["accumulator"]
-    elif micro_step.carrier == "grads":
+    if micro_step.carrier == "grads":
       carry["grads"] = micro_step.grads
     elif micro_step.carrier == "params":
       carry["params"] = micro_step.params
-    else:
+    elif micro_step.carrier == "zeros":
       carry["zeros"] = optax.tree.zeros_like(micro_step.updates_like)
     return carry
 
-  def normalised(self, sums: Any, weight_sum: jax.Array) -> Any:
-    """The reduced window's mean, where its weight was not known before."""
-    window = self.micro_step.window
-    if window.parallel.weights_are_global or window.reduction != "mean":
-      return sums
-    # A window without weight does not step the inner optimizer anyway.
-    scale = weights.reciprocal(weight_sum)
-    return jax.tree.map(lambda total: total * scale.astype(total.dtype), sums)
-
   def close(self, carry: dict[str, Any]) -> dict[str, Any]:
-    """The closing side: add, reduce, normalise, step the optimizer once."""
+    """The closing side: step the optimizer once if the window has weight."""
     micro_step = self.micro_step
-    window = micro_step.window
-    # A buffer that carries the output is read from the carry, so that it
-    # is overwritten in place rather than copied.
-    grads = carry.get("grads", micro_step.grads)
-    accumulator = carry.get("accumulator", self.opened_accumulator)
-    noise = carry["noise"]
-    if self.adds:
-      noise = window.noise.add(noise, micro_step.micro_batch(grads))
-      accumulator = micro_step.added(accumulator, grads)
-    sums, total_weight = window.parallel.reduce(
-      accumulator,
-      micro_step.admitted.weight_sum,
-      carry.get("params", micro_step.params),
+    window, schedule = micro_step.window, micro_step.schedule
+    total_weight = window.parallel.window_weight(micro_step.admitted.weight_sum)
+    has_weight = weights.has_weight(total_weight)
+    closed = schedule.branch(
+      has_weight,
+      functools.partial(self.step_inner, total_weight),
+      carry,
+      name=run_once.CLOSE_WINDOW,
     )
-    sums = self.normalised(sums, total_weight)
-    reduced = jax.tree.map(
-      lambda total, grad: total.astype(grad.dtype), sums, micro_step.grads
-    )
-    carry = {**carry, "noise": noise}
-    step = functools.partial(self.step_inner, reduced, total_weight)
-    if window.parallel.weights_are_global:
-      closed = step(carry)
-    else:
-      # Only here is the window's total weight known: an empty window does
-      # not step.
-      closed = run_once.run_once_if(
-        weights.has_weight(total_weight),
-        step,
-        carry,
-        name=run_once.CLOSE_WINDOW,
+    if micro_step.carrier != "accumulator":
+      # A window without weight leaves its sums: the next starts from zero.
+      closed = schedule.branch(
+        ~has_weight, self.emptied, closed, name=run_once.EMPTY_WINDOW
       )
     return {
       **closed,
       "noise": window.noise.reset(closed["noise"], jnp.asarray(True)),
     }
 
+  def emptied(self, carry: dict[str, Any]) -> dict[str, Any]:
+    """``carry`` with its accumulator at zero, written in place."""
+    parallel = self.micro_step.window.parallel
+    return {**carry, "accumulator": parallel.emptied(carry["accumulator"])}
+
+  def mean(self, sums: Any, total_weight: jax.Array) -> Any:
+    """The window's reduced gradient, in the gradients' dtypes."""
+    micro_step = self.micro_step
+    if micro_step.window.reduction == "mean":
+      scale = weights.reciprocal(total_weight)
+      sums = jax.tree.map(lambda total: total * scale.astype(total.dtype), sums)
+    return jax.tree.map(
+      lambda total, grad: total.astype(grad.dtype), sums, micro_step.grads
+    )
+
   def step_inner(
-    self, reduced: Any, total_weight: jax.Array, carry: dict[str, Any]
+    self, total_weight: jax.Array, carry: dict[str, Any]
   ) -> dict[str, Any]:
-    """The wrapped optimizer's one step on the window's reduced gradient."""
+    """The wrapped optimizer's one step on the window's mean (or sum).
+
+    Normalised here, inside the branch, so that the scaling is done in the
+    optimizer's own pass over the sums, which then leaves the accumulator
+    at zero (unless its buffer carries the updates out).
+    """
     micro_step = self.micro_step
     window = micro_step.window
     params = carry.get("params", micro_step.params)
+    # Reduced here, from the carry: the one reduction of the window runs
+    # only where it steps, and reads the buffer it then overwrites.
+    reduced = self.mean(
+      window.parallel.reduce(carry["accumulator"], params), total_weight
+    )
     # A state kept in host memory visits the device here, and only here.
     inner_state = residency.to_device(carry["inner_state"])
     updates, new_inner_state = window.parallel.inner_update(
@@ -377,10 +349,10 @@ class ClosingSide:
       noise=getattr(noise, "smoothed", None),
       micro_gradients=micro_gradients,
       window_weight=total_weight,
-      full=micro_step.decision.micro_step >= micro_step.decision.every_k,
+      full=micro_step.decision.micro_step >= every_k,
     )
     return {
-      **carry,
+      **self.emptied(carry),
       micro_step.carrier: window.output.closing_output(
         updates, params, carry[micro_step.carrier]
       ),

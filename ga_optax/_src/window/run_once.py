@@ -46,16 +46,22 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 from jax.sharding import AxisType
 
 from ga_optax._src.window import window_form
 
 Carry = TypeVar("Carry")
 
-# The scopes of the two sides of a micro-step, as they appear in the
-# ``op_name`` of the compiled loops.
+# The scopes of a micro-step's work, as they appear in the ``op_name`` of
+# the compiled program: the add that keeps the window open (every call runs
+# it), the branches that close the window, and the branch that empties a
+# window closed without weight (neither a micro-step nor a closing step that
+# steps the optimizer runs it).
 KEEP_OPEN = "ga_optax_keep_open"
 CLOSE_WINDOW = "ga_optax_close_window"
+EMPTY_WINDOW = "ga_optax_empty_window"
+SIDES = (KEEP_OPEN, CLOSE_WINDOW, EMPTY_WINDOW)
 
 
 def run_once_if(
@@ -71,17 +77,38 @@ def run_once_if(
     predicate: a boolean scalar.
     body: maps ``carry`` to a tree of the same structure, shapes and dtypes.
     carry: what ``body`` reads and writes in place.
-    name: the loop's scope, :data:`KEEP_OPEN` or :data:`CLOSE_WINDOW` for
-      the window's two sides.
+    name: the loop's scope, one of :data:`SIDES`.
 
   Returns:
     ``body(carry)`` or ``carry``.
   """
-  # The values the body closes over become explicit invariants, so that a
-  # loop's body can pin their types, and derivatives can flow through them.
-  converted, invariants = jax.closure_convert(body, carry)
+  converted, invariants = _closure_converted(body, carry)
   with jax.named_scope(name):
     return _run_once(converted, jnp.asarray(predicate), carry, invariants)
+
+
+def _closure_converted(
+  body: Callable[[Carry], Carry], carry: Carry
+) -> tuple[Callable[..., Carry], list[Any]]:
+  """``body`` as a function of ``(carry, *invariants)``.
+
+  Every value the body closes over becomes an explicit invariant, so that a
+  loop's body can pin their types and derivatives can flow through them.
+  ``jax.closure_convert`` hoists only the floating ones: an integer or
+  boolean closed over by a branch nested in another (a window's count, its
+  acceptance) would stay a constant of a finished trace, which the
+  derivative rule could not stage.
+  """
+  closed, out_shape = jax.make_jaxpr(body, return_shape=True)(carry)
+  out_tree = jax.tree.structure(out_shape)
+
+  def converted(carried: Carry, *invariants: Any) -> Carry:
+    function = jax_core.jaxpr_as_fun(
+      jax_core.ClosedJaxpr(closed.jaxpr, invariants)
+    )
+    return jax.tree.unflatten(out_tree, function(*jax.tree.leaves(carried)))
+
+  return converted, list(closed.consts)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

@@ -61,6 +61,15 @@ def accumulate(
   * ``flush``: a Python bool or boolean scalar; when true the window closes
     now, normalised by what it holds. A window that holds no weight emits
     zeros and does not step ``optimizer``.
+  * ``closing``: who chooses the side of the window this call runs. None
+    (the default): the device, from its count of micro-steps and ``flush``.
+    A Python bool: the host, which in a Python training loop knows its
+    micro-step; ``True`` closes the window with what it holds (as a flush
+    does), ``False`` keeps it open (past its k if the host says so), and
+    the compiled program holds that side alone, with no ``while`` or
+    ``conditional`` (mark it static under ``jax.jit``). Not with ``flush``.
+    Every close, in either schedule, leaves the accumulator at zero, so a
+    run may switch schedules at any call (docs/how-to/host-schedule.md).
   * any other keyword: forwarded to ``optimizer.update`` when the window
     closes (for example ``value=`` for ``optax.contrib.reduce_on_plateau``).
 
@@ -69,8 +78,9 @@ def accumulate(
   the dtypes ``optimizer`` gives for those gradients, and the state keeps
   its dtypes from call to call. Complex params get a complex accumulator.
 
-  Each side of the window (keep it open, or close it) is a loop of at most
-  one trip, which XLA:GPU compiles without copying the optimizer state (see
+  The gradient is added before any branch. On the device's schedule each
+  branch that closes the window is a loop of at most one trip, which
+  XLA:GPU compiles without copying the optimizer state (see
   docs/compiled-window.md). Under ``jax.vmap`` (several models trained side
   by side) a loop gets a batched predicate and runs while any model needs
   it, selecting per model: a micro-step then pays for a full step of
@@ -231,10 +241,17 @@ def accumulate(
     *,
     weight: Any = 1,
     flush: Any = False,
+    closing: bool | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
     return step(
-      updates, state, params, weight=weight, flush=flush, extra_args=extra_args
+      updates,
+      state,
+      params,
+      weight=weight,
+      flush=flush,
+      closing=closing,
+      extra_args=extra_args,
     )
 
   return optax.GradientTransformationExtraArgs(
@@ -253,6 +270,7 @@ class FusedApplyFn(Protocol):
     *,
     weight: Any = 1,
     flush: Any = False,
+    closing: bool | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Params, AccumulateState]: ...
 
@@ -263,9 +281,9 @@ class FusedAccumulation(NamedTuple):
   Attributes:
     init: ``params -> AccumulateState``, the same state that
       :func:`ga_optax.accumulate` keeps.
-    apply: ``(params, grads, state, *, weight=1, flush=False, **extra_args)
-      -> (new_params, new_state)``; the params change only on the call that
-      closes a window.
+    apply: ``(params, grads, state, *, weight=1, flush=False,
+      closing=None, **extra_args) -> (new_params, new_state)``; the params
+      change only on the call that closes a window.
   """
 
   init: Callable[[optax.Params], AccumulateState]
@@ -292,7 +310,8 @@ def accumulate_and_apply(
   ``apply(params, grads, state)`` equals ``updates, state = tx.update(grads,
   state, params)`` followed by ``optax.apply_updates(params, updates)`` with
   ``tx = ga_optax.accumulate(optimizer, every_k, ...)`` (same arguments, same
-  state, same ``weight=``, ``flush=`` and extra keyword arguments), but the
+  state, same ``weight=``, ``flush=``, ``closing=`` and extra keyword
+  arguments), but the
   params are updated by the side of the window that runs ``optimizer``: a
   micro-step that does not close the window leaves the params untouched (in
   place when they are donated to ``jax.jit``) instead of adding zero updates
@@ -370,10 +389,17 @@ def accumulate_and_apply(
     *,
     weight: Any = 1,
     flush: Any = False,
+    closing: bool | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Params, AccumulateState]:
     return step(
-      grads, state, params, weight=weight, flush=flush, extra_args=extra_args
+      grads,
+      state,
+      params,
+      weight=weight,
+      flush=flush,
+      closing=closing,
+      extra_args=extra_args,
     )
 
   return FusedAccumulation(init=arguments.initializer(window), apply=apply_fn)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from ga_optax._src import validation
-from ga_optax._src.algebra import dtypes, fp8, weights
+from ga_optax._src.algebra import dtypes, fp8
 from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.algebra.noise_scale import Measured, Unmeasured
 from ga_optax._src.batch_size import adaptive, every_k
@@ -43,19 +43,13 @@ class Decision(NamedTuple):
   Attributes:
     micro_step: the open window's micro-steps, this one included.
     every_k: the open window's k.
-    closes: the window closes on this call (full, or flushed).
-    steps: the call runs the closing side (a window that closes with no
-      weight on a device that knows the window's whole weight does not).
-    scale: what the accumulator is multiplied by as the gradient is added
-      (``1 / weight_sum`` when this call closes a window whose weight is
-      known on this device, else 1).
+    closes: the window closes on this call (full, flushed, or by the
+      host's word); it steps the wrapped optimizer only if it holds weight.
   """
 
   micro_step: jax.Array
   every_k: jax.Array
   closes: jax.Array
-  steps: jax.Array
-  scale: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,18 +138,14 @@ class Window:
     return Admitted(accepted, jnp.where(accepted, weight_sum, state.weight_sum))
 
   def decide(
-    self, state: AccumulateState, admitted: Admitted, flush: Any
+    self,
+    state: AccumulateState,
+    admitted: Admitted,
+    schedule: Any,
+    flush: Any,
   ) -> Decision:
-    """Counts the micro-step and decides whether the window closes."""
+    """Counts the micro-step; the schedule says whether the window closes."""
     micro_step = increment_if(state.micro_step, admitted.accepted)
     every_k = self.window_length.current(state.every_k, state.update_step)
-    closes = (micro_step >= every_k) | flush
-    scale = jnp.ones((), self.accumulator_dtype)
-    if not self.parallel.weights_are_global:
-      # The window's weight is only known after the closing reduction.
-      return Decision(micro_step, every_k, closes, closes, scale)
-    steps = closes & weights.has_weight(admitted.weight_sum)
-    if self.reduction == "mean":
-      scale = jnp.where(steps, weights.reciprocal(admitted.weight_sum), 1.0)
-      scale = scale.astype(self.accumulator_dtype)
-    return Decision(micro_step, every_k, closes, steps, scale)
+    closes = schedule.closes(micro_step >= every_k, flush)
+    return Decision(micro_step, every_k, closes)

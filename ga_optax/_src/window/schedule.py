@@ -1,0 +1,150 @@
+"""Who chooses the side of the window a call runs: the device, or the host.
+
+A micro-step either keeps the window open or closes it. ``update``'s
+``closing=`` says who chooses:
+
+* :class:`DeviceScheduled` (``closing=None``, the default): the device
+  counts the micro-steps and decides; the closing side is a branch of the
+  compiled program (:func:`ga_optax._src.window.run_once.run_once_if`), so
+  one program serves every call, as a ``lax.scan`` over steps or an
+  exported step needs.
+* :class:`HostScheduled` (``closing=True`` or ``False``): a training loop
+  written in Python knows which micro-step it is about to run and says so.
+  The program then holds that side alone, with no ``while`` and no
+  ``conditional``: a micro-step is the gradient added into the accumulator
+  and nothing more, and the closing call is the same work a large-batch
+  step does, plus that add. Two programs, each without control flow, need
+  no compiler recipe on any platform.
+
+The host's word is what happens. ``closing=True`` closes the window with
+what it holds, normalised by what it holds (as ``flush=True`` does), and
+``closing=False`` keeps it open, past its k if the host says so. Either way
+the update is the large-batch step of the micro-batches the window held,
+never a number of some other batch; ``AccumulateState.micro_step`` above
+:func:`ga_optax.current_k` shows a window held open past its k.
+
+Both schedules keep one state: every close, in either, leaves the
+accumulator at zero, so a run may switch at any call and a checkpoint of
+either resumes in the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from ga_optax._src.window import run_once
+
+Carry = TypeVar("Carry")
+
+
+class DeviceScheduled:
+  """``closing=None``: the device counts and decides; each side a branch."""
+
+  def closes(self, by_count: jax.Array, flush: Any) -> jax.Array:
+    """Whether this call closes the window: full, or flushed."""
+    return by_count | flush
+
+  def close_window(
+    self,
+    closes: jax.Array,
+    close: Callable[[Carry], Carry],
+    carry: Carry,
+  ) -> Carry:
+    """The closing side, where the window closes."""
+    return run_once.run_once_if(
+      closes, close, carry, name=run_once.CLOSE_WINDOW
+    )
+
+  def branch(
+    self,
+    predicate: jax.Array,
+    body: Callable[[Carry], Carry],
+    carry: Carry,
+    *,
+    name: str,
+  ) -> Carry:
+    """A branch of the closing work: ``body(carry)`` where ``predicate``."""
+    return run_once.run_once_if(predicate, body, carry, name=name)
+
+  def carriers(self, carriers: dict[str, Any]) -> dict[str, Any]:
+    """The buffers the closing side may write its output into, in place."""
+    return carriers
+
+
+@dataclasses.dataclass(frozen=True)
+class HostScheduled:
+  """``closing=True`` or ``False``: the host says which side runs.
+
+  Attributes:
+    closing: whether this call closes the window.
+  """
+
+  closing: bool
+
+  def closes(self, by_count: jax.Array, flush: Any) -> jax.Array:
+    del by_count, flush  # the host's word, whatever the counter says
+    return jnp.asarray(self.closing)
+
+  def close_window(
+    self,
+    closes: jax.Array,
+    close: Callable[[Carry], Carry],
+    carry: Carry,
+  ) -> Carry:
+    del closes  # the host's word: traced as a constant
+    if not self.closing:
+      return carry
+    with jax.named_scope(run_once.CLOSE_WINDOW):
+      return close(carry)
+
+  def branch(
+    self,
+    predicate: jax.Array,
+    body: Callable[[Carry], Carry],
+    carry: Carry,
+    *,
+    name: str,
+  ) -> Carry:
+    """``body(carry)`` where ``predicate`` holds, selected: no control flow.
+
+    The selects are elementwise and fuse into the work that makes their
+    operands (Adam's moments, say), so they move no byte of their own.
+    """
+    with jax.named_scope(name):
+      taken = body(carry)
+    return jax.tree.map(
+      lambda new, old: jnp.where(predicate, new, old), taken, carry
+    )
+
+  def carriers(self, carriers: dict[str, Any]) -> dict[str, Any]:
+    # Without a loop no buffer needs to be carried: the output is made
+    # fresh, and the accumulator is left at zero.
+    del carriers
+    return {}
+
+
+Schedule = DeviceScheduled | HostScheduled
+
+
+def of(closing: Any) -> Schedule:
+  """The schedule ``update(..., closing=...)`` asks for.
+
+  Raises:
+    TypeError: ``closing`` is neither None nor a Python bool (a traced
+      boolean cannot choose the program: use ``flush=`` for that).
+  """
+  if closing is None:
+    return DeviceScheduled()
+  if isinstance(closing, bool):
+    return HostScheduled(closing)
+  raise TypeError(
+    "closing must be None (the device decides from its counter) or a Python"
+    " bool (the host says whether this call closes the window), got"
+    f" {closing!r}. A traced boolean cannot choose the program: pass it as"
+    " flush= instead, which closes the window on the device."
+  )

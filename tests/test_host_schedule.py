@@ -1,0 +1,359 @@
+"""``closing=``: the host says which side of the window a call runs.
+
+A Python loop knows its micro-step. With ``closing`` a Python bool the
+program holds that side alone, with no ``while`` and no ``conditional``
+(checked on the lowered program of every configuration here; the programs
+XLA:GPU compiles for an H100 are checked in test_gpu_program.py), and the
+numbers stay those of the large batch: each window ends where ``jax.grad``
+of its concatenated micro-batches and the bare optimizer end, also where the
+host's word disagrees with the counter (it closes the window with what it
+holds, or keeps it open past its k). The combination matrix
+(test_combinations.py) runs the host schedule through every placement.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.extend import core as jax_core
+from jax.sharding import PartitionSpec as P
+
+import ga_optax
+from ga_optax._src.window import window_form
+
+FEATURES = 6
+
+
+def init_params() -> dict[str, jax.Array]:
+  key_w, key_v = jax.random.split(jax.random.key(0))
+  return {
+    "w": jax.random.normal(key_w, (FEATURES, 4)) / np.sqrt(FEATURES),
+    "b": jnp.zeros(4),
+    "v": jax.random.normal(key_v, (4,)) / 2.0,
+  }
+
+
+def loss_fn(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+  hidden = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+  return jnp.mean((hidden @ params["v"] - batch["y"]) ** 2)
+
+
+def micro_batches(sizes: list[int], seed: int = 1) -> list[dict[str, Any]]:
+  rng = np.random.default_rng(seed)
+  return [
+    {
+      "x": jnp.asarray(rng.normal(size=(size, FEATURES)), jnp.float32),
+      "y": jnp.asarray(rng.normal(size=(size,)), jnp.float32),
+    }
+    for size in sizes
+  ]
+
+
+def large_batch(optimizer, windows: list[list[dict[str, Any]]]) -> Any:
+  """The independent reference: one bare step per concatenated window."""
+  params, state = init_params(), optimizer.init(init_params())
+  for window in windows:
+    batch = jax.tree.map(lambda *rows: jnp.concatenate(rows), *window)
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = optimizer.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+@functools.cache
+def host_step(every_k: Any, closing: bool, fused: bool = False):
+  """A jitted train step whose side the host chose."""
+  optimizer = optax.adam(0.05)
+  if fused:
+    tx = ga_optax.accumulate_and_apply(optimizer, every_k)
+
+    def fused_step(params, state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      weight = batch["x"].shape[0]
+      return tx.apply(params, grads, state, weight=weight, closing=closing)
+
+    return tx, jax.jit(fused_step)
+  tx = ga_optax.accumulate(optimizer, every_k)
+
+  def step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(
+      grads, state, params, weight=batch["x"].shape[0], closing=closing
+    )
+    return optax.apply_updates(params, updates), state
+
+  return tx, jax.jit(step)
+
+
+def run(windows, every_k, *, fused=False):
+  """Each window's micro-batches, the last one closing it by the host's word."""
+  tx, _ = host_step(every_k, False, fused)
+  params, state = init_params(), tx.init(init_params())
+  for window in windows:
+    for index, batch in enumerate(window):
+      closing = index == len(window) - 1
+      _, step = host_step(every_k, closing, fused)
+      params, state = step(params, state, batch)
+  return params, state
+
+
+def assert_close_and_finite(actual, expected):
+  chex.assert_tree_all_finite(actual)
+  chex.assert_tree_all_finite(expected)
+  chex.assert_trees_all_close(actual, expected, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_host_schedule_is_the_large_batch(fused):
+  windows = [micro_batches([3, 5, 2, 6], seed) for seed in range(3)]
+  params, state = run(windows, 4, fused=fused)
+  assert int(ga_optax.applied_updates(state)) == 3
+  assert_close_and_finite(params, large_batch(optax.adam(0.05), windows))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_hosts_word_decides_where_it_disagrees_with_the_counter(fused):
+  """Closed early, a window is flushed; held open, it grows past its k.
+
+  Either way the update is the large-batch step of what the window held.
+  """
+  windows = [
+    micro_batches([4, 2], 1),  # closed after 2 of its 4 micro-steps
+    micro_batches([3, 1, 2, 5, 2, 4], 2),  # held open for 6
+    micro_batches([2, 2, 3, 1], 3),
+  ]
+  tx, _ = host_step(4, False, fused)
+  params, state = init_params(), tx.init(init_params())
+  held = []
+  for window in windows:
+    for index, batch in enumerate(window):
+      closing = index == len(window) - 1
+      params, state = host_step(4, closing, fused)[1](params, state, batch)
+      held.append(int(state.micro_step))
+  # The counter shows what each window held: 6 micro-steps where k is 4.
+  assert held == [1, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0]
+  assert int(ga_optax.current_k(state)) == 4
+  assert_close_and_finite(params, large_batch(optax.adam(0.05), windows))
+
+
+def test_schedules_switch_at_any_call():
+  """Device, host, device: every close leaves one kind of state."""
+  windows = [micro_batches([2, 3, 4], seed) for seed in range(4)]
+  optimizer = optax.adam(0.05)
+  tx = ga_optax.accumulate(optimizer, 3)
+
+  @functools.partial(jax.jit, static_argnames="closing")
+  def step(params, state, batch, closing):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(
+      grads, state, params, weight=batch["x"].shape[0], closing=closing
+    )
+    return optax.apply_updates(params, updates), state
+
+  params, state = init_params(), tx.init(init_params())
+  call = 0
+  for window in windows:
+    for index, batch in enumerate(window):
+      # Odd calls are scheduled by the device, even ones by the host.
+      closing = None if call % 2 else index == len(window) - 1
+      params, state = step(params, state, batch, closing=closing)
+      call += 1
+  assert_close_and_finite(params, large_batch(optimizer, windows))
+
+
+def test_closing_must_be_a_python_bool():
+  tx = ga_optax.accumulate(optax.sgd(0.1), 2)
+  params = init_params()
+  grads = optax.tree.zeros_like(params)
+  state = tx.init(params)
+  with pytest.raises(TypeError, match=r"closing must be None .* flush="):
+    tx.update(grads, state, params, closing=jnp.asarray(True))
+  with pytest.raises(TypeError, match="closing"):
+    tx.update(grads, state, params, closing=1)
+
+  @jax.jit
+  def traced(grads, state, closes):
+    return tx.update(grads, state, params, closing=closes)
+
+  with pytest.raises(TypeError, match="closing must be None"):
+    traced(grads, state, True)
+
+
+@pytest.mark.parametrize("flush", [True, jnp.asarray(False)])
+@pytest.mark.parametrize("closing", [True, False])
+def test_flush_with_closing_is_refused(flush, closing):
+  tx = ga_optax.accumulate_and_apply(optax.sgd(0.1), 2)
+  params = init_params()
+  with pytest.raises(ValueError, match="flush= closes a window"):
+    tx.apply(
+      params,
+      optax.tree.zeros_like(params),
+      tx.init(params),
+      flush=flush,
+      closing=closing,
+    )
+
+
+# Every configuration's two host-scheduled programs hold no control flow of
+# the window's: each is a straight line of work.
+
+
+def loop_primitives(jaxpr: Any) -> list[str]:
+  """The ``while`` and ``cond`` equations anywhere in ``jaxpr``."""
+  found = []
+  for equation in jaxpr.eqns:
+    if equation.primitive.name in ("while", "cond"):
+      found.append(equation.primitive.name)
+    for sub in jax_core.jaxprs_in_params(equation.params):
+      found += loop_primitives(sub)
+  return found
+
+
+ONE_DEVICE = {
+  "adam": dict(optimizer=optax.adam(1e-3)),
+  "clip_adamw_schedule": dict(
+    optimizer=optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(optax.linear_schedule(1e-3, 1e-4, 10)),
+    )
+  ),
+  "dict_every_k_skip_nonfinite": dict(
+    optimizer=optax.sgd(0.1), every_k={0: 2, 3: 4}, skip_nonfinite=True
+  ),
+  "sum": dict(optimizer=optax.sgd(0.1), reduction="sum"),
+  "noise_scale_adaptive_k_sqrt": dict(
+    optimizer=optax.adam(1e-3),
+    every_k=ga_optax.batch_size.adaptive_k(2, max_k=8),
+    noise_scale_decay=0.9,
+    lr_scaling="sqrt",
+  ),
+  "bf16_accumulator": dict(
+    optimizer=optax.adam(1e-3), accumulator_dtype=jnp.bfloat16
+  ),
+  "accumulator_in_host_memory": dict(
+    optimizer=optax.adam(1e-3),
+    accumulator_memory_kind="pinned_host",
+    inner_state_memory_kind="pinned_host",
+  ),
+}
+
+
+def options_of(config: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+  options = dict(config)
+  return options.pop("optimizer"), options.pop("every_k", 4), options
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("closing", [False, True])
+@pytest.mark.parametrize("name", sorted(ONE_DEVICE))
+def test_a_host_scheduled_program_has_no_control_flow(name, closing, fused):
+  optimizer, every_k, options = options_of(ONE_DEVICE[name])
+  params = init_params()
+  batch = micro_batches([4])[0]
+  if fused:
+    tx = ga_optax.accumulate_and_apply(optimizer, every_k, **options)
+
+    def step(params, state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      return tx.apply(params, grads, state, weight=4.0, closing=closing)
+
+  else:
+    tx = ga_optax.accumulate(optimizer, every_k, **options)
+
+    def step(params, state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      updates, state = tx.update(
+        grads, state, params, weight=4.0, closing=closing
+      )
+      return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  jaxpr = jax.make_jaxpr(step)(params, state, batch).jaxpr
+  assert loop_primitives(jaxpr) == []
+  # The control: the device's schedule holds the window's branches.
+  if not closing:
+
+    def device_step(params, state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      if fused:
+        return tx.apply(params, grads, state, weight=4.0)
+      return tx.update(grads, state, params, weight=4.0)
+
+    device = jax.make_jaxpr(device_step)(params, state, batch).jaxpr
+    assert loop_primitives(device) != []
+
+
+DEVICES = 8
+
+
+@pytest.mark.devices(DEVICES)
+@pytest.mark.parametrize("closing", [False, True])
+@pytest.mark.parametrize(
+  "placement", ["shard_map", "unreduced", "zero1", "unreduced_noise_scale"]
+)
+def test_every_placement_host_schedules_without_control_flow(
+  placement, closing
+):
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+  params = init_params()
+  with jax.set_mesh(mesh):
+    batch = jax.device_put(micro_batches([2 * DEVICES])[0], P("data"))
+    if placement == "shard_map":
+      tx = ga_optax.accumulate(optax.adam(1e-3), 4, axis_name="data")
+
+      def local(params, state, x, y):
+        grads = jax.grad(loss_fn)(params, {"x": x, "y": y})
+        updates, state = tx.update(
+          grads, state, params, weight=x.shape[0], closing=closing
+        )
+        return optax.apply_updates(params, updates), state
+
+      step = jax.shard_map(
+        local,
+        in_specs=(P(), P(), P("data"), P("data")),
+        out_specs=(P(), P()),
+        check_vma=False,
+      )
+      args = (params, tx.init(params), batch["x"], batch["y"])
+    else:
+      options: dict[str, Any] = {"unreduced_axes": "data"}
+      if placement == "zero1":
+        options["inner_state_axes"] = "data"
+      if placement == "unreduced_noise_scale":
+        options["noise_scale_decay"] = 0.9
+      tx = ga_optax.accumulate(optax.adam(1e-3), 4, **options)
+      value_and_grad = ga_optax.unreduced_value_and_grad(loss_fn)
+
+      def step(params, state, batch):
+        _, grads = value_and_grad(params, batch)
+        updates, state = tx.update(grads, state, params, closing=closing)
+        return optax.apply_updates(params, updates), state
+
+      args = (params, tx.init(params), batch)
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+  assert loop_primitives(jaxpr) == []
+
+
+@pytest.mark.parametrize("form", window_form.FORMS)
+def test_the_host_schedule_does_not_depend_on_the_window_form(
+  form, monkeypatch
+):
+  """Neither form is traced: the same program whichever is pinned."""
+  monkeypatch.setenv(window_form.VARIABLE, form)
+  tx = ga_optax.accumulate(optax.adam(1e-3), 2)
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, micro_batches([3])[0])
+
+  def step(grads, state):
+    return tx.update(grads, state, params, closing=True)
+
+  jaxpr = jax.make_jaxpr(step)(grads, tx.init(params))
+  monkeypatch.delenv(window_form.VARIABLE)
+  assert str(jaxpr) == str(jax.make_jaxpr(step)(grads, tx.init(params)))

@@ -57,13 +57,25 @@ def _jit(step: Callable[..., Any]) -> Callable[..., Any]:
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def _transformation_step(loss_fn, tx):
+def _transformation_step(loss_fn, tx, **options):
+  """A train step of ``tx``; ``options`` (``closing=``) go to its update."""
+
   def step(params, state, batch):
     grads = jax.grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, state, params)
+    updates, state = tx.update(grads, state, params, **options)
     return optax.apply_updates(params, updates), state
 
   return step
+
+
+def _host_chosen(make_step, k):
+  """A window's ``k`` calls: ``k - 1`` micro-steps, then the closing step.
+
+  Two programs, each without control flow; the host picks one by the
+  call's index in the window.
+  """
+  keep_open, close = _jit(make_step(False)), _jit(make_step(True))
+  return (keep_open,) * (k - 1) + (close,)
 
 
 def build(workload: Workload) -> list[Contender]:
@@ -258,7 +270,8 @@ def window_contenders(
 ) -> list[WindowContender]:
   """The forms of one window: plain Adam, ``optax.MultiSteps``, ga_optax's
   default form, the same under ``gpu_options`` (the GPU recipe, left out
-  where None), the host-scheduled window and the 0.3 ``lax.cond`` window.
+  where None), both on the host's schedule (``closing=``), the same work by
+  hand (``benchmarks/host_scheduled.py``) and the 0.3 ``lax.cond`` window.
 
   Adam's learning rate is :data:`LEARNING_RATE` throughout; each window
   adds ``every_k`` micro-batches of weight 1.
@@ -303,6 +316,33 @@ def window_contenders(
         (jit(fused_step),) * k,
       ),
     ]
+
+  def fused_host_step(closing):
+    def step(params, state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      return fused.apply(params, grads, state, closing=closing)
+
+    return step
+
+  contenders += [
+    WindowContender(
+      "ga_optax.accumulate, host-scheduled",
+      "update(..., closing=i == k - 1): two programs, chosen by the host",
+      accumulate.init,
+      _host_chosen(
+        lambda closing: _transformation_step(
+          loss_fn, accumulate, closing=closing
+        ),
+        k,
+      ),
+    ),
+    WindowContender(
+      "ga_optax.accumulate_and_apply, host-scheduled",
+      "apply(..., closing=i == k - 1): two programs, chosen by the host",
+      fused.init,
+      _host_chosen(fused_host_step, k),
+    ),
+  ]
   window = host_scheduled.host_scheduled_window(loss_fn, adam, k)
   cond_init, cond_step = cond_window.cond_window(loss_fn, adam, k)
   return [

@@ -27,7 +27,6 @@ against steps, and the adaptive run's k and ``B_simple`` against items, to
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
@@ -128,7 +127,7 @@ def train(
   """One run over the micro-batches, evaluated every ``eval_every``."""
   value_and_grad = jax.value_and_grad(loss)
 
-  @functools.partial(jax.jit, compiler_options=ga_optax.gpu_compiler_options())
+  @jax.jit
   def micro_step(params, state, tokens):
     _, grads = value_and_grad(params, tokens)
     updates, state = tx.update(

@@ -33,7 +33,6 @@ float32. It prints a table, plots the curves to
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -176,7 +175,7 @@ def make_run(
 
   value_and_grad = jax.value_and_grad(compute_loss)
 
-  @functools.partial(jax.jit, compiler_options=ga_optax.gpu_compiler_options())
+  @jax.jit
   def window_step(params, opt_state, micro_batches):
     def micro_step(carry, tokens):
       params, opt_state = carry

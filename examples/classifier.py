@@ -5,7 +5,9 @@ in the same order, three ways:
 
 1. the large batch: one batch of 64 per optimizer step;
 2. ``ga_optax.accumulate``: 4 micro-batches of 16 per step, each weighted by
-   its number of samples, with ``flush=True`` at the end of every epoch;
+   its number of samples; the Python loop says which micro-batch closes each
+   window (``closing=``), so each call compiles to a program without control
+   flow, and the epoch's short last window closes when its batch ends;
 3. the naive hand-written loop: sum the micro-batch gradients and divide by
    k, also for the partial window at the end of the epoch.
 
@@ -274,14 +276,16 @@ def train_ga_optax(
   )
   value_and_grad = jax.value_and_grad(make_loss(model))
 
-  @functools.partial(jax.jit, compiler_options=ga_optax.gpu_compiler_options())
-  def micro_step(params, state, x, y, flush):
+  # The host knows which micro-batch closes each batch's window: two
+  # programs (closing False or True), neither with control flow.
+  @functools.partial(jax.jit, static_argnames="closing")
+  def micro_step(params, state, x, y, closing):
     loss, grads = value_and_grad(params, x, y)
     # The gradient of a micro-batch's mean loss, weighted by its size, sums
     # to the gradient of the large batch's mean loss: a short last
     # micro-batch counts for what it holds.
     updates, state = tx.update(
-      grads, state, params, weight=x.shape[0], flush=flush
+      grads, state, params, weight=x.shape[0], closing=closing
     )
     return optax.apply_updates(params, updates), state, loss
 
@@ -290,21 +294,22 @@ def train_ga_optax(
   trace = NoiseScaleTrace(items=[], b_simple=[])
   window_loss = window_size = 0.0
   micro_size = args.batch_size // args.every_k
-  for batch, is_last in progress(args, "ga_optax", data, mark_last=True):
+  for batch in progress(args, "ga_optax", data):
     micro = list(micro_batches(batch, micro_size))
     for index, micro_batch in enumerate(micro):
-      # Close the epoch's partial window now, normalised by what it holds.
-      flush = is_last and index == len(micro) - 1
+      # Each batch is one window, the epoch's short last one included: its
+      # last micro-batch closes it, normalised by what it holds.
+      closing = index == len(micro) - 1
       params, state, loss = micro_step(
         params,
         state,
         data.x_train[micro_batch],
         data.y_train[micro_batch],
-        flush,
+        closing,
       )
       window_loss += float(loss) * len(micro_batch)
       window_size += len(micro_batch)
-      if bool(ga_optax.emitted(state)):
+      if closing:
         losses.append(window_loss / window_size)
         if args.noise_scale:
           trace.items.append(window_size)
@@ -366,15 +371,9 @@ def accuracy(model: MLP, params: Any, data: Dataset) -> float:
 
 
 def progress(
-  args: argparse.Namespace,
-  name: str,
-  data: Dataset,
-  mark_last: bool = False,
+  args: argparse.Namespace, name: str, data: Dataset
 ) -> Iterator[Any]:
-  """Yields the batches of every epoch under a tqdm bar.
-
-  With ``mark_last``, yields ``(batch, is_last_batch_of_epoch)`` pairs.
-  """
+  """Yields the batches of every epoch under a tqdm bar."""
   num_train = len(data.x_train)
   steps_per_epoch = math.ceil(num_train / args.batch_size)
   with tqdm(
@@ -386,8 +385,8 @@ def progress(
   ) as bar:
     for epoch in range(args.epochs):
       batches = epoch_batches(num_train, args.batch_size, epoch, args.seed)
-      for index, batch in enumerate(batches):
-        yield (batch, index == len(batches) - 1) if mark_last else batch
+      for batch in batches:
+        yield batch
         bar.update()
 
 

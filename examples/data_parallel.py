@@ -162,7 +162,6 @@ def make_runs(args: argparse.Namespace, model: MLP) -> list[Run]:
     return jax.jit(
       step,
       donate_argnums=(0, 1),
-      compiler_options=ga_optax.gpu_compiler_options(),
     )
 
   unreduced_tx = ga_optax.accumulate(optimizer, k, unreduced_axes="data")
@@ -255,7 +254,6 @@ def shard_map_runs(
           check_vma=False,
         ),
         donate_argnums=(0, 1),
-        compiler_options=ga_optax.gpu_compiler_options(),
       ),
     ),
   ]

@@ -168,7 +168,6 @@ class Trainer:
         check_vma=False,
       ),
       donate_argnums=(0, 1),
-      compiler_options=ga_optax.gpu_compiler_options(),
     )
     self.compiled[plan] = (jax.jit(tx.init), step)
     return self.compiled[plan]

@@ -39,7 +39,6 @@ directory (``--output-dir`` changes it).
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -133,7 +132,7 @@ def accumulate_runs(loss: Callable, args: argparse.Namespace) -> list[Run]:
   optimizer = ga_optax.accumulate(make_optimizer(args), args.every_k)
   value_and_grad = jax.value_and_grad(loss)
 
-  @functools.partial(jax.jit, compiler_options=ga_optax.gpu_compiler_options())
+  @jax.jit
   def micro_step(params, opt_state, tokens, weighted):
     value, grads = value_and_grad(params, tokens)
     num_tokens = count_real_tokens(tokens)

@@ -357,3 +357,39 @@ def test_the_host_schedule_does_not_depend_on_the_window_form(
   jaxpr = jax.make_jaxpr(step)(grads, tx.init(params))
   monkeypatch.delenv(window_form.VARIABLE)
   assert str(jaxpr) == str(jax.make_jaxpr(step)(grads, tx.init(params)))
+
+
+def test_an_adaptive_k_read_once_per_window_is_the_large_batch():
+  """The host reads the next window's k when a window closes.
+
+  Every window is the large-batch step of the micro-batches the host put in
+  it, whatever k the noise scale chose.
+  """
+  optimizer = optax.sgd(0.2)
+  tx = ga_optax.accumulate(
+    optimizer,
+    ga_optax.batch_size.adaptive_k(2, max_k=8),
+    noise_scale_decay=0.0,
+  )
+
+  @functools.partial(jax.jit, static_argnames="closing")
+  def step(params, state, batch, closing):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(
+      grads, state, params, weight=batch["x"].shape[0], closing=closing
+    )
+    return optax.apply_updates(params, updates), state
+
+  stream = iter(micro_batches([4] * 40, seed=5))
+  params, state = init_params(), tx.init(init_params())
+  windows = []
+  for _ in range(5):
+    k = int(ga_optax.current_k(state))  # once per window
+    window = [next(stream) for _ in range(k)]
+    for index, batch in enumerate(window):
+      params, state = step(params, state, batch, closing=index == k - 1)
+    windows.append(window)
+  assert int(ga_optax.applied_updates(state)) == 5
+  # The noise scale moved k: the windows are not all of one size.
+  assert len({len(window) for window in windows}) > 1
+  assert_close_and_finite(params, large_batch(optimizer, windows))

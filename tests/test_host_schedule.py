@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.extend import core as jax_core
+from control_flow import window_primitives
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
@@ -205,17 +205,6 @@ def test_flush_with_closing_is_refused(flush, closing):
 # the window's: each is a straight line of work.
 
 
-def loop_primitives(jaxpr: Any) -> list[str]:
-  """The ``while`` and ``cond`` equations anywhere in ``jaxpr``."""
-  found = []
-  for equation in jaxpr.eqns:
-    if equation.primitive.name in ("while", "cond"):
-      found.append(equation.primitive.name)
-    for sub in jax_core.jaxprs_in_params(equation.params):
-      found += loop_primitives(sub)
-  return found
-
-
 ONE_DEVICE = {
   "adam": dict(optimizer=optax.adam(1e-3)),
   "clip_adamw_schedule": dict(
@@ -276,7 +265,7 @@ def test_a_host_scheduled_program_has_no_control_flow(name, closing, fused):
 
   state = tx.init(params)
   jaxpr = jax.make_jaxpr(step)(params, state, batch).jaxpr
-  assert loop_primitives(jaxpr) == []
+  assert window_primitives(jaxpr) == []
   # The control: the device's schedule holds the window's branches.
   if not closing:
 
@@ -287,7 +276,7 @@ def test_a_host_scheduled_program_has_no_control_flow(name, closing, fused):
       return tx.update(grads, state, params, weight=4.0)
 
     device = jax.make_jaxpr(device_step)(params, state, batch).jaxpr
-    assert loop_primitives(device) != []
+    assert window_primitives(device) != []
 
 
 DEVICES = 8
@@ -338,7 +327,7 @@ def test_every_placement_host_schedules_without_control_flow(
 
       args = (params, tx.init(params), batch)
     jaxpr = jax.make_jaxpr(step)(*args).jaxpr
-  assert loop_primitives(jaxpr) == []
+  assert window_primitives(jaxpr) == []
 
 
 @pytest.mark.parametrize("form", window_form.FORMS)

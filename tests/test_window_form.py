@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from control_flow import window_primitives
 from jax.extend import core as jax_core
 
 import ga_optax
@@ -43,17 +44,6 @@ def test_the_variable_pins_a_form_or_leaves_the_platform_to_choose(
   monkeypatch.setenv(window_form.VARIABLE, "selects")
   with pytest.raises(ValueError, match="GA_OPTAX_WINDOW_FORM"):
     window_form.pinned()
-
-
-def window_primitives(jaxpr: Any) -> list[str]:
-  """The control flow of the window's branches, in order, nested included."""
-  names = []
-  for equation in jaxpr.eqns:
-    if equation.primitive.name in ("while", "cond"):
-      names.append(equation.primitive.name)
-    for sub in jax_core.jaxprs_in_params(equation.params):
-      names += window_primitives(sub)
-  return names
 
 
 def sgd_step_jaxpr() -> Any:

@@ -1,18 +1,18 @@
 """A branch that XLA:GPU compiles without copies: a loop of at most one trip.
 
-A micro-step either keeps the window open or closes it. ``lax.cond`` is the
-obvious way to say so, and XLA:GPU compiles it badly: its copy insertion
-(without region analysis, the GPU default) copies every buffer a branch
-hands back untouched into the conditional's result, so each micro-step
-copied the whole optimizer state, and the caller's donation could not
-reuse the buffers either (docs/compiled-window.md has the figures). A
-``lax.while_loop`` updates its carried buffers in place: the same choice,
-made as two loops of zero or one trip whose predicates exclude each other,
-compiles to a micro-step with no copy at all, and nothing in XLA turns a
-loop into selects that would run both sides.
+On the device's schedule a micro-step decides whether it closes the window.
+``lax.cond`` is the obvious way to say so, and XLA:GPU compiles it badly:
+its copy insertion (without region analysis, the GPU default) copies every
+buffer a branch hands back untouched into the conditional's result, so each
+micro-step copied the whole optimizer state, and the caller's donation
+could not reuse the buffers either (docs/compiled-window.md has the
+figures). A ``lax.while_loop`` of zero or one trip updates its carried
+buffers in place: the same choice compiles to a micro-step with no copy at
+all, and nothing in XLA turns a loop into selects that would run both
+branches.
 
 Each loop carries only what its body writes, and reads everything else as a
-loop invariant, so buffers the other side owns are never copied. Inside a
+loop invariant, so buffers the rest of the step owns are never copied. Inside a
 loop body JAX (0.10) leaves the carried and invariant values without the
 shardings their types give them on an Explicit mesh, and the partitioner
 then guesses: it reduced a partial sum typed ``unreduced`` a second time,
@@ -23,9 +23,7 @@ On the CPU the branch is a ``lax.cond`` instead: XLA:CPU's copy insertion
 sees that a branch which hands its operands back needs no copy, and it
 splits the elementwise work of a conditional's branch over the cores, but
 not that of a loop body. :mod:`ga_optax._src.window.window_form` makes that
-choice, in one place for the whole window (which on the CPU also adds the
-gradient outside any branch:
-:meth:`ga_optax._src.window.micro_step.MicroStep.add_first`).
+choice, in one place for the whole window.
 
 A loop has no reverse-mode derivative, the conditional has one, and both
 compute the same function: the branch's derivative rule

@@ -47,10 +47,10 @@ class AccumulateState(NamedTuple):
     weight_sum: sum of the weights of the micro-steps in the open window.
     accumulator: sum of ``weight * grads`` over the open window, in
       ``accumulator_dtype`` (complex leaves in the complex dtype of that
-      precision), with the tree of the params. Meaningful only while
-      ``micro_step > 0``: the first micro-step of a window overwrites it
-      instead of adding, so closing a window need not zero it, and the
-      closing call may reuse its buffer to carry the updates. With
+      precision), with the tree of the params. Every close leaves it at
+      zero, in either schedule (``closing=``), and every micro-step adds to
+      it: a state saved by 0.5 or earlier at a window boundary held the last
+      window's sums there and needs zeroing once (CHANGELOG). With
       ``unreduced_axes`` its leaves are ``unreduced`` over those mesh axes:
       each device holds its own partial sum. With
       ``accumulator_memory_kind`` its leaves live in that memory kind.

@@ -1,17 +1,19 @@
 """Which form the window takes in the compiled program: chosen here, once.
 
-A micro-step runs one of two sides, keep the window open or close it, and
-the compiled program can say so in two forms:
+On the device's schedule a micro-step adds its gradient outside any branch,
+and the branches that close the window take one of two forms in the
+compiled program:
 
-* ``"loops"``: each side is a loop of at most one trip
-  (:func:`ga_optax._src.window.run_once.run_once_if`), the closing one adding
-  the last gradient in the optimizer's pass. XLA:GPU updates a loop's buffers
-  in place, so a micro-step copies nothing; every platform but the CPU
-  (GPUs, TPUs) runs this form.
-* ``"conditional"``: the gradient is added first, outside any branch, and
-  the closing side is a ``lax.cond``. XLA:CPU splits elementwise work over
-  its cores outside a branch but not inside a loop body, and its copy
-  insertion copies nothing for a branch that forwards its operands.
+* ``"loops"``: each branch is a loop of at most one trip
+  (:func:`ga_optax._src.window.run_once.run_once_if`). XLA:GPU updates a
+  loop's buffers in place, so a micro-step copies nothing; every platform
+  but the CPU (GPUs, TPUs) runs this form.
+* ``"conditional"``: each branch is a ``lax.cond``. XLA:CPU splits
+  elementwise work over its cores in a conditional's branch but not inside a
+  loop body, and its copy insertion copies nothing for a branch that
+  forwards its operands.
+
+The host's schedule (``closing=``) has no branch, and no form.
 
 By default the platform decides, when the step is lowered
 (``jax.lax.platform_dependent``): the CPU takes the conditional form, every

@@ -369,8 +369,8 @@ MUTANTS: tuple[Mutant, ...] = (
     name="loop_shardings_unpinned",
     guarantee="data parallel (the global mean under plain jit)",
     defect="inside the window's loops (on GPUs) no value is pinned to its"
-    " type: the partitioner takes the unreduced gradient for a whole one,"
-    " reduces it before the loop on every micro-step, and again after",
+    " type: the partitioner guesses the shardings of a ZeRO-1 state and of"
+    " the partial sums the closing side reduces",
     edits=(
       Edit(
         RUN_ONCE,
@@ -379,9 +379,10 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
     ),
     tests=(
-      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[unreduced]",
-      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[unreduced_fused]",
+      "tests/test_zero.py::test_clip_adamw_fused_shards_and_checkpoints",
+      "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[zero1_clip_adamw_fused]",
     ),
+    window_form="loops",
   ),
   # Dtypes.
   Mutant(
@@ -984,9 +985,9 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
     ),
     tests=(
-      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-device-accumulate_and_apply-consolidate]",
-      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-accumulator_host-accumulate-consolidate]",
-      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-both_host-accumulate_and_apply-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-device-accumulate_and_apply-switching-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-accumulator_host-accumulate-switching-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-both_host-accumulate_and_apply-host-consolidate]",
     ),
   ),
   Mutant(
@@ -1009,9 +1010,9 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
     ),
     tests=(
-      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-device-accumulate_and_apply-consolidate]",
-      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-accumulator_host-accumulate-consolidate]",
-      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-both_host-accumulate_and_apply-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-device-accumulate_and_apply-switching-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-accumulator_host-accumulate-switching-consolidate]",
+      "tests/test_combinations.py::test_the_combination_ends_where_the_large_batch_ends[shard_map_unchecked-both_host-accumulate_and_apply-host-consolidate]",
     ),
   ),
   Mutant(
@@ -1361,7 +1362,7 @@ MUTANTS: tuple[Mutant, ...] = (
       Edit(MICRO_STEP, "      **self.emptied(carry),\n", "      **carry,\n"),
     ),
     tests=(
-      "tests/test_accumulate.py::AccumulateTest::test_every_close_leaves_the_accumulator_at_zero",
+      "tests/test_accumulate.py::AccumulateTest",
       "tests/test_host_schedule.py::test_the_host_schedule_is_the_large_batch",
     ),
   ),
@@ -1377,9 +1378,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return accumulator",
       ),
     ),
-    tests=(
-      "tests/test_accumulate.py::AccumulateTest::test_every_close_leaves_the_accumulator_at_zero",
-    ),
+    tests=("tests/test_accumulate.py::AccumulateTest",),
   ),
   Mutant(
     name="the_host_word_inverted",

@@ -729,10 +729,16 @@ def test_no_window_peaks_above_multi_steps(name):
       step, args = case(make(), closing=closing)
       peak = peak_mib(step, args)
       allowed = ceiling
-      if (name, case, closing) == ("adafactor", fused_case, None):
-        # The one exception: Adafactor's clipping reads its whole update
-        # before the params can take it, and accumulate_and_apply's closing
-        # loop, which writes the params and zeroes the accumulator in
-        # place, holds that update beside them: one matrix more (1 MiB).
+      # The exceptions, one matrix more each (1 MiB): a step that must read
+      # a whole tree before it writes any of it, in a program that zeroes
+      # the accumulator in place. Adafactor's clipping reads its whole
+      # update before accumulate_and_apply's closing loop writes the params;
+      # on jax 0.12 the global norm of clip_by_global_norm reads the whole
+      # sum before the host-scheduled closing program zeroes its buffer.
+      if (name, case, closing) == ("adafactor", fused_case, None) or (
+        name == "clip_adamw"
+        and closing is True
+        and jax.__version_info__ >= (0, 12)
+      ):
         allowed += WIDTH * WIDTH * 4 / MiB
       assert 0 < peak <= allowed, (case.__name__, closing, peak, ceiling)

@@ -6,7 +6,9 @@ it is scaled too far. :func:`dynamic_loss_scale` wraps the optimizer that
 window whose gradient is not finite and halves the scale, and doubles it
 after a run of finite windows. :func:`loss_scale` reads the scale to
 multiply the next loss by, :func:`dropped_windows` how many windows it
-dropped, and :class:`DynamicLossScaleState` is its state.
+dropped, :func:`wrapped_state` the wrapped optimizer's own state (its step
+count moves only on the windows kept), and :class:`DynamicLossScaleState`
+is its state.
 
 bfloat16 and float8 need no loss scale: see the "Mixed precision" page.
 """
@@ -16,6 +18,7 @@ from ga_optax._src.mixed_precision.loss_scaling import (
   dropped_windows,
   dynamic_loss_scale,
   loss_scale,
+  wrapped_state,
 )
 
 __all__ = [
@@ -23,4 +26,5 @@ __all__ = [
   "dropped_windows",
   "dynamic_loss_scale",
   "loss_scale",
+  "wrapped_state",
 ]

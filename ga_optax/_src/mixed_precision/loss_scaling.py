@@ -310,9 +310,10 @@ def dynamic_loss_scale(
     # The scaled gradient as given, and what the optimizer would be given:
     # unscaling by a scale below 1 can overflow a gradient that was finite.
     finite = _all_finite(updates) & _all_finite(grads)
-    # Run on every call and selected, like optax.apply_if_finite: the
-    # selects fuse into the optimizer's own elementwise pass over its state,
-    # where a conditional would cost its operands' copies.
+    # Run on every call and selected (optax.apply_if_finite branches with
+    # lax.cond instead): the selects fuse into the optimizer's own
+    # elementwise pass over its state, where a conditional would cost its
+    # operands' copies.
     inner_updates, inner_state = inner.update(
       grads, state.inner_state, params, **extra_args
     )
@@ -471,3 +472,37 @@ def dropped_windows(state: Any) -> jax.Array:
     (1, 16384.0)
   """
   return jnp.asarray(find_loss_scale_state(state).dropped_windows)
+
+
+def wrapped_state(state: Any) -> Any:
+  """The state of the optimizer that :func:`dynamic_loss_scale` wraps.
+
+  Its step count moves only on the windows the loss scale kept, so it can
+  differ from :func:`ga_optax.applied_updates`, which counts every window
+  that closed. This reads it wherever the loss scale sits, without
+  spelling the path through ``accumulate``'s and the loss scale's states.
+
+  Args:
+    state: a :class:`DynamicLossScaleState`, or any optimizer state that
+      holds exactly one.
+
+  Returns:
+    The wrapped optimizer's state, as that optimizer's ``update`` takes it.
+
+  Raises:
+    ValueError: ``state`` holds no :class:`DynamicLossScaleState`, or
+      several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ga_optax
+    >>> tx = ga_optax.accumulate(
+    ...     ga_optax.mixed_precision.dynamic_loss_scale(optax.adam(0.1)), 2)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for grad in ([1.0, 1.0], [jnp.inf, 1.0], [1.0, 1.0], [1.0, 1.0]):
+    ...   _, state = tx.update(jnp.array(grad), state, params)
+    >>> adam = ga_optax.mixed_precision.wrapped_state(state)[0]
+    >>> (int(adam.count), int(ga_optax.applied_updates(state)))
+    (1, 2)
+  """
+  return find_loss_scale_state(state).inner_state

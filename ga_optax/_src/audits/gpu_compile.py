@@ -9,9 +9,12 @@ as the GPU runs them. ``as_text()`` and ``memory_analysis()`` then read the
 program a GPU would run; ``cost_analysis()`` and memory kinds are not
 available on such devices.
 
-It needs the CUDA plugin (``pip install "jax[cuda13]"``); on a machine with
-no GPU, JAX must also be started with ``JAX_PLATFORMS=cpu``, or the plugin
-fails to initialise.
+It needs JAX's CUDA plugin, not a GPU: the plugin alone, of the installed
+jax's version, is about 400 MB (``pip install --no-deps
+"jax-cuda13-plugin==$V" "jax-cuda13-pjrt==$V"``; the CUDA libraries of
+``jax[cuda13]``, about 4.7 GB, are only needed to run on a GPU). On a
+machine with no GPU, JAX must also be started with ``JAX_PLATFORMS=cpu``, or
+the plugin fails to initialise.
 """
 
 from __future__ import annotations
@@ -109,9 +112,12 @@ def gpu_devices(num_devices: int = 1, *, target: str = "h100") -> list[Any]:
     )
   except (NotImplementedError, RuntimeError, ValueError) as error:
     raise GpuCompilerUnavailable(
-      "XLA:GPU is not available: install JAX's CUDA plugin (pip install"
-      ' "jax[cuda13]") and, on a machine without a GPU, start JAX with'
-      f" JAX_PLATFORMS=cpu. ({type(error).__name__}: {error})"
+      "XLA:GPU is not available: install JAX's CUDA plugin of the installed"
+      f" jax, alone (about 400 MB, no GPU needed): pip install --no-deps"
+      f' "jax-cuda13-plugin=={jax.__version__}"'
+      f' "jax-cuda13-pjrt=={jax.__version__}"; and, on a machine without a'
+      " GPU, start JAX with JAX_PLATFORMS=cpu."
+      f" ({type(error).__name__}: {error})"
     ) from error
   return list(topology.devices)
 

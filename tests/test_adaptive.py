@@ -2,7 +2,8 @@
 
 The reference is the contract written in NumPy: windows of k micro-gradients,
 the per-window noise estimates, their debiased moving averages, and the rule
-that moves k when a full window closes. For fixed micro-gradients and
+that moves k when a full window closes, once the warm-up's windows are
+measured. For fixed micro-gradients and
 weights the k of every window and every emitted update (SGD with learning
 rate 1: minus the window's weighted mean, times the learning-rate scale)
 must equal it, on one device and on 8 (inside ``shard_map``, each device's
@@ -44,6 +45,7 @@ def reference_run(micro_gradients, weights, rule, *, decay, lr_scaling=None):
   """
   k, first_k = rule["initial_k"], rule["initial_k"]
   grad_sq = trace_sigma = debias = 0.0
+  measured_windows = 0
   window: list[tuple[np.ndarray, float]] = []
   steps = 0
   ks, updates = [], []
@@ -67,19 +69,24 @@ def reference_run(micro_gradients, weights, rule, *, decay, lr_scaling=None):
       grad_sq = decay * grad_sq + (1 - decay) * window_grad_sq
       trace_sigma = decay * trace_sigma + (1 - decay) * window_trace
       debias = decay * debias + (1 - decay)
+      measured_windows += 1
     scale = {None: 1.0, "sqrt": math.sqrt(k / first_k), "linear": k / first_k}
     ks.append(k)
     updates.append(-mean * scale[lr_scaling])
     b_simple = read_b_simple(grad_sq, trace_sigma, debias)
     factor, threshold = rule["factor"], rule["threshold"]
+    warmed_up = measured_windows >= rule["warmup_windows"]
     if (
       count < 2
-      or b_simple == math.inf
-      or b_simple >= threshold * factor * total
+      or (
+        warmed_up
+        and (b_simple == math.inf or b_simple >= threshold * factor * total)
+      )
     ) and k * factor <= rule["max_k"]:
       k *= factor
     elif (
-      rule.get("min_k")
+      warmed_up
+      and rule.get("min_k")
       and b_simple < total / (threshold * factor)
       and k % factor == 0
       and k // factor >= rule["min_k"]
@@ -99,7 +106,16 @@ def read_b_simple(grad_sq: float, trace_sigma: float, debias: float) -> float:
   return trace_sigma / grad_sq if trace_sigma > 0 else 0.0
 
 
-RULE = {"initial_k": 2, "max_k": 8, "min_k": 1, "factor": 2, "threshold": 1.0}
+# The warm-up adaptive_k has when none is asked for.
+DEFAULT_WARMUP = ga_optax.batch_size.adaptive_k(2, max_k=2).warmup_windows
+RULE = {
+  "initial_k": 2,
+  "max_k": 8,
+  "min_k": 1,
+  "factor": 2,
+  "threshold": 1.0,
+  "warmup_windows": DEFAULT_WARMUP,
+}
 
 
 def phased_gradients(rng, count, shape=(4,)):
@@ -181,11 +197,62 @@ def test_lr_scaling_follows_a_dict_schedule_too():
   )
 
 
+@pytest.mark.parametrize("lr_scaling", ["sqrt", "linear"])
+@pytest.mark.parametrize(
+  ("every_k", "window_ks"),
+  [
+    (ga_optax.batch_size.adaptive_k(2, max_k=8), [2]),
+    ({0: 2, 1: 8}, [2, 8]),
+  ],
+  ids=["adaptive_first_window", "dict_second_window"],
+)
+def test_a_flushed_window_is_scaled_for_its_k(every_k, window_ks, lr_scaling):
+  """The last window is flushed after one micro-step: its update is scaled
+  for its k, not for the one micro-step it held (docs/how-to/batch-size.md,
+  "Ending a budget"). The reference is Adam itself at the scaled learning
+  rate, on each window's mean."""
+  learning_rate = 1e-2
+  rng = np.random.default_rng(10)
+  # Every window full but the last, which holds one micro-step.
+  windows = [
+    [rng.normal(size=3).astype(np.float32) for _ in range(micro_steps)]
+    for micro_steps in [*window_ks[:-1], 1]
+  ]
+  tx = ga_optax.accumulate(
+    optax.adam(learning_rate),
+    every_k,
+    noise_scale_decay=DECAY,
+    lr_scaling=lr_scaling,
+  )
+  params = {"w": jnp.zeros(3)}
+  state = tx.init(params)
+  step = jax.jit(tx.update, static_argnames="flush")
+  updates = []
+  for window_index, window in enumerate(windows):
+    for gradient in window:
+      flush = window_index == len(windows) - 1
+      emitted, state = step({"w": gradient}, state, params, flush=flush)
+    assert bool(ga_optax.emitted(state))
+    updates.append(flat(emitted))
+
+  reference_state = optax.adam(learning_rate).init(np.zeros(3, np.float32))
+  for k, window, update in zip(window_ks, windows, updates, strict=True):
+    ratio = k / window_ks[0]
+    scale = math.sqrt(ratio) if lr_scaling == "sqrt" else ratio
+    # Adam's moments do not depend on its learning rate: one state serves
+    # each window's optimizer.
+    expected, reference_state = optax.adam(learning_rate * scale).update(
+      np.mean(window, axis=0), reference_state
+    )
+    np.testing.assert_allclose(update, expected, rtol=1e-5, atol=1e-8)
+
+
 def test_a_flushed_window_does_not_move_k():
   rng = np.random.default_rng(2)
+  # No warm-up: the first window's reading decides.
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.batch_size.adaptive_k(2, max_k=8),
+    ga_optax.batch_size.adaptive_k(2, max_k=8, warmup_windows=1),
     noise_scale_decay=0.0,
   )
   params = {"w": jnp.zeros(4)}
@@ -203,7 +270,7 @@ def test_a_flushed_window_does_not_move_k():
 def test_skipped_micro_steps_do_not_count():
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.batch_size.adaptive_k(2, max_k=8),
+    ga_optax.batch_size.adaptive_k(2, max_k=8, warmup_windows=1),
     noise_scale_decay=0.0,
     skip_nonfinite=True,
   )
@@ -314,12 +381,100 @@ def test_k_grows_at_exactly_the_threshold():
   for threshold, grown in [(1 / 16, 4), (1 / 16 * (1 + 2.0**-20), 2)]:
     tx = ga_optax.accumulate(
       optax.sgd(1.0),
-      ga_optax.batch_size.adaptive_k(2, max_k=4, threshold=threshold),
+      ga_optax.batch_size.adaptive_k(
+        2, max_k=4, threshold=threshold, warmup_windows=1
+      ),
       noise_scale_decay=0.0,
     )
     ks, state = run_current_ks(tx, gradients)
     assert float(ga_optax.noise_scale(state).b_simple) == 0.25
     assert ks[-1] == grown, threshold
+
+
+# A window of 4 micro-gradients 2, 0, 2, 0 of weight 1: mean 1, tr(Sigma)
+# 4/3, |G|^2 = 1 - (4/3) / 4 = 2/3, B_simple 2, against W = 4. Repeated,
+# every window reads the same.
+TWO_FOR_FOUR = [np.array([value], np.float32) for value in (2.0, 0.0, 2.0, 0.0)]
+
+
+def test_b_simple_is_weighed_against_the_windows_weight_not_k():
+  # Windows of 2 micro-gradients 3 + e and 3 - e, each of weight 4, with
+  # e^2 = 4.5: tr(Sigma) = 8 e^2 = 36, |G|^2 = 9 - 4.5, B_simple 8. Against
+  # W = 8, k grows from 16 (and shrinks below 4): it stays. Against k = 2
+  # it would grow from 4.
+  spread = math.sqrt(4.5)
+  window = [np.array([3.0 + sign * spread], np.float32) for sign in (1, -1)]
+  gradients = window * (DEFAULT_WARMUP + 2)
+  weights = [4.0] * len(gradients)
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.batch_size.adaptive_k(2, max_k=8, min_k=2),
+    noise_scale_decay=DECAY,
+  )
+  ks, _, state = run_accumulate(tx, gradients, weights)
+  rule = {**RULE, "min_k": 2}
+  expected_ks, _ = reference_run(gradients, weights, rule, decay=DECAY)
+  assert ks == expected_ks
+  assert set(ks) == {2}, ks
+  b_simple = float(ga_optax.noise_scale(state).b_simple)
+  window_weight = 8.0
+  assert window_weight / 2 <= b_simple < 2 * window_weight, b_simple
+
+
+def test_k_shrinks_only_below_the_batch_over_threshold_times_factor():
+  # threshold 2, factor 2: k shrinks below W / 4 = 1 and grows from
+  # 4 W = 16; B_simple 2 keeps k.
+  rule = {
+    "initial_k": 4,
+    "max_k": 8,
+    "min_k": 2,
+    "factor": 2,
+    "threshold": 2.0,
+    "warmup_windows": DEFAULT_WARMUP,
+  }
+  gradients = TWO_FOR_FOUR * (DEFAULT_WARMUP + 2)
+  weights = [1.0] * len(gradients)
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.batch_size.adaptive_k(4, max_k=8, min_k=2, threshold=2.0),
+    noise_scale_decay=DECAY,
+  )
+  ks, _, state = run_accumulate(tx, gradients, weights)
+  expected_ks, _ = reference_run(gradients, weights, rule, decay=DECAY)
+  assert ks == expected_ks
+  assert set(ks) == {4}, ks
+  b_simple = float(ga_optax.noise_scale(state).b_simple)
+  window_weight = 4.0
+  assert window_weight / 4 <= b_simple < 4 * window_weight, b_simple
+
+
+def test_a_reading_that_meets_both_rules_grows_k():
+  # threshold 1/8, factor 2: k grows from W / 4 = 1 and shrinks below
+  # 4 W = 16, so B_simple 2 meets both; growth is tried first. After the
+  # warm-up's windows of 4, the next holds 8.
+  rule = {
+    "initial_k": 4,
+    "max_k": 8,
+    "min_k": 2,
+    "factor": 2,
+    "threshold": 0.125,
+    "warmup_windows": DEFAULT_WARMUP,
+  }
+  gradients = TWO_FOR_FOUR * (DEFAULT_WARMUP + 2)
+  weights = [1.0] * len(gradients)
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.batch_size.adaptive_k(4, max_k=8, min_k=2, threshold=0.125),
+    noise_scale_decay=DECAY,
+  )
+  ks, updates, _ = run_accumulate(tx, gradients, weights)
+  expected_ks, expected_updates = reference_run(
+    gradients, weights, rule, decay=DECAY
+  )
+  assert ks == expected_ks
+  assert ks == [4] * DEFAULT_WARMUP + [8], ks
+  for update, expected in zip(updates, expected_updates, strict=True):
+    np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -351,7 +506,7 @@ def test_factor_and_max_k_at_the_int32_limit_do_not_wrap():
   noise = [np.array(g, np.float32) for g in ([1.0, -1.0], [-1.0, 1.0])] * 3
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.batch_size.adaptive_k(2, max_k=2, factor=2**30),
+    ga_optax.batch_size.adaptive_k(2, max_k=2, factor=2**30, warmup_windows=1),
     noise_scale_decay=0.0,
   )
   ks, _ = run_current_ks(tx, noise)
@@ -364,6 +519,87 @@ def test_factor_and_max_k_at_the_int32_limit_do_not_wrap():
     )
   ks, _ = run_current_ks(tx, noise)
   assert set(ks) == {2**30}, ks
+
+
+# The warm-up: the averages' first windows move nothing.
+
+
+def noise_gradients(rng, count):
+  """Micro-gradients of alternating sign: every even window's mean is
+  near 0, its |G|^2 estimate below 0, its B_simple infinite."""
+  return [
+    (3.0 * (-1.0) ** index + 0.3 * rng.normal(size=4)).astype(np.float32)
+    for index in range(count)
+  ]
+
+
+@pytest.mark.parametrize("warmup_windows", [1, 3, None], ids=str)
+def test_no_decision_before_the_warm_up_ends(warmup_windows):
+  windows = DEFAULT_WARMUP if warmup_windows is None else warmup_windows
+  rule = {**RULE, "max_k": 16, "min_k": None, "warmup_windows": windows}
+  # The warm-up's windows of 2, then windows of 4, 8 and 16.
+  gradients = noise_gradients(np.random.default_rng(11), 2 * windows + 28)
+  weights = [1.0] * len(gradients)
+  options = {} if warmup_windows is None else {"warmup_windows": windows}
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.batch_size.adaptive_k(2, max_k=16, **options),
+    noise_scale_decay=DECAY,
+  )
+  ks, updates, state = run_accumulate(tx, gradients, weights)
+  expected_ks, expected_updates = reference_run(
+    gradients, weights, rule, decay=DECAY
+  )
+  assert ks == expected_ks
+  # Every reading asks for growth: the warm-up's windows keep k, the
+  # window that ends it doubles k, and so does each one after.
+  assert ks == [2] * windows + [4, 8, 16], ks
+  assert int(ga_optax.noise_scale(state).windows) == windows + 3
+  for update, expected in zip(updates, expected_updates, strict=True):
+    np.testing.assert_allclose(update, expected, rtol=2e-5, atol=1e-6)
+
+
+def test_k_does_not_shrink_during_the_warm_up():
+  # Nearly equal micro-gradients: every reading asks k to shrink.
+  rng = np.random.default_rng(12)
+  gradients = [
+    (5.0 + 0.01 * rng.normal(size=4)).astype(np.float32) for _ in range(40)
+  ]
+  weights = [1.0] * len(gradients)
+  rule = {**RULE, "initial_k": 8, "max_k": 8, "min_k": 2, "warmup_windows": 3}
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.batch_size.adaptive_k(8, max_k=8, min_k=2, warmup_windows=3),
+    noise_scale_decay=DECAY,
+  )
+  ks, _, _ = run_accumulate(tx, gradients, weights)
+  expected_ks, _ = reference_run(gradients, weights, rule, decay=DECAY)
+  assert ks == expected_ks
+  assert ks[:4] == [8, 8, 8, 4], ks
+
+
+def test_a_window_that_measures_nothing_grows_k_during_the_warm_up():
+  # k = 1 on one device: the first window measures nothing, so it counts
+  # nothing toward the warm-up and grows k; the warm-up's 3 windows of 2
+  # follow.
+  gradients = noise_gradients(np.random.default_rng(13), 1 + 2 * 3 + 4)
+  weights = [1.0] * len(gradients)
+  rule = {
+    **RULE,
+    "initial_k": 1,
+    "max_k": 4,
+    "min_k": None,
+    "warmup_windows": 3,
+  }
+  tx = ga_optax.accumulate(
+    optax.sgd(1.0),
+    ga_optax.batch_size.adaptive_k(1, max_k=4, warmup_windows=3),
+    noise_scale_decay=DECAY,
+  )
+  ks, _, _ = run_accumulate(tx, gradients, weights)
+  expected_ks, _ = reference_run(gradients, weights, rule, decay=DECAY)
+  assert ks == expected_ks
+  assert ks == [1, 2, 2, 2, 4], ks
 
 
 # Eight devices inside shard_map: each device's gradient is a micro-gradient
@@ -517,7 +753,7 @@ def test_a_saved_run_resumes_bit_identically(tmp_path, stop_after):
   gradients = phased_gradients(rng, 40)
   tx = ga_optax.accumulate(
     optax.adam(1e-2),
-    ga_optax.batch_size.adaptive_k(2, max_k=8, min_k=1),
+    ga_optax.batch_size.adaptive_k(2, max_k=8, min_k=1, warmup_windows=1),
     noise_scale_decay=DECAY,
     lr_scaling="sqrt",
   )
@@ -627,6 +863,26 @@ def test_consolidating_partial_sums_keeps_k():
       lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, threshold=0.0),
       ValueError,
       "threshold",
+    ),
+    (
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, warmup_windows=0),
+      ValueError,
+      r"warmup_windows must be a positive int \(>= 1\), got 0",
+    ),
+    (
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, warmup_windows=2.0),
+      TypeError,
+      "warmup_windows must be a positive int, got 2.0",
+    ),
+    (
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, warmup_windows=True),
+      TypeError,
+      "warmup_windows",
+    ),
+    (
+      lambda: ga_optax.batch_size.adaptive_k(4, max_k=8, warmup_windows=2**31),
+      ValueError,
+      r"warmup_windows must be at most 2\*\*31 - 1",
     ),
     (
       lambda: ga_optax.accumulate(

@@ -110,6 +110,7 @@ def assert_close_and_finite(actual, expected):
   chex.assert_trees_all_close(actual, expected, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_host_schedule_is_the_large_batch(fused):
   windows = [micro_batches([3, 5, 2, 6], seed) for seed in range(3)]
@@ -143,6 +144,7 @@ def test_the_hosts_word_decides_where_it_disagrees_with_the_counter(fused):
   assert_close_and_finite(params, large_batch(optax.adam(0.05), windows))
 
 
+@pytest.mark.smoke
 def test_schedules_switch_at_any_call():
   """Device, host, device: every close leaves one kind of state."""
   windows = [micro_batches([2, 3, 4], seed) for seed in range(4)]
@@ -357,7 +359,8 @@ def test_an_adaptive_k_read_once_per_window_is_the_large_batch():
   optimizer = optax.sgd(0.2)
   tx = ga_optax.accumulate(
     optimizer,
-    ga_optax.batch_size.adaptive_k(2, max_k=8),
+    # Decides from the first window on, so that the windows differ in size.
+    ga_optax.batch_size.adaptive_k(2, max_k=8, warmup_windows=1),
     noise_scale_decay=0.0,
   )
 

@@ -5,7 +5,8 @@ of the critical batch size (:mod:`ga_optax._src.algebra.noise_scale`). Here the
 run acts on it: :func:`adaptive_k` is an ``every_k`` whose k doubles (by
 ``factor``) when a full window closes with ``B_simple`` at least ``factor``
 times its total weight, the batch it held, and (with ``min_k``) halves when
-``B_simple`` falls below the batch over ``factor``; and
+``B_simple`` falls below the batch over ``factor``, once the averages hold
+``warmup_windows`` windows; and
 :class:`LearningRateScaling` multiplies the wrapped optimizer's updates by
 ``sqrt(k / k0)`` or ``k / k0`` as k moves (the rules OLMo-core and Merrill
 et al. (2025) use for Adam, and SGD's linear rule).
@@ -40,6 +41,8 @@ class AdaptiveK:
     min_k: k never shrinks below it; None: k never shrinks.
     factor: what k is multiplied or divided by at a change.
     threshold: how far past the batch ``B_simple`` must be to move k.
+    warmup_windows: the windows the averages must hold before their
+      reading moves k.
   """
 
   initial_k: int
@@ -47,6 +50,7 @@ class AdaptiveK:
   min_k: int | None
   factor: int
   threshold: float
+  warmup_windows: int
 
   def first(self) -> jax.Array:
     """The first window's k."""
@@ -82,27 +86,39 @@ class AdaptiveK:
     del update_step
     b_simple = noise_lib.read(noise).b_simple
     window_weight = window_weight.astype(b_simple.dtype)
+    # The first windows' averages rest on a few noisy estimates (one
+    # |G|^2 estimate at or below 0 reads as infinite): they move nothing.
+    warmed_up = noise.windows >= self.warmup_windows
     # k * factor is formed only where it fits the int32 k: compared as
     # k <= max_k // factor, never as the product.
     may_grow = k <= self.max_k // self.factor
-    # A window of fewer than 2 micro-gradients measures nothing: at such a
-    # k the reading would never move again. NaN asks for nothing.
+    # A window of fewer than 2 micro-gradients measures nothing, warm-up or
+    # not: at such a k the reading would never move again (nor would the
+    # warm-up end). NaN asks for nothing.
     grows = may_grow & (
       (micro_gradients < 2)
-      | jnp.isinf(b_simple)
-      | (b_simple >= self.threshold * self.factor * window_weight)
+      | (
+        warmed_up
+        & (
+          jnp.isinf(b_simple)
+          | (b_simple >= self.threshold * self.factor * window_weight)
+        )
+      )
     )
     new_k = jnp.where(full & grows, k * self.factor, k)
     if self.min_k is not None:
       smaller = k // self.factor
       shrinks = (
-        (b_simple < window_weight / (self.threshold * self.factor))
+        warmed_up
+        & (b_simple < window_weight / (self.threshold * self.factor))
         & (k % self.factor == 0)
         & (smaller >= self.min_k)
         # The smaller window still holds at least 2 micro-gradients at
         # this window's rate (K / k per micro-step): K / factor >= 2.
         & (micro_gradients // 2 >= self.factor)
       )
+      # Growth is tried first: a reading that meets both rules (possible
+      # with threshold < 1 / factor) grows k where it can.
       new_k = jnp.where(full & ~grows & shrinks, smaller, new_k)
     return new_k.astype(jnp.int32)
 
@@ -138,6 +154,7 @@ def adaptive_k(
   min_k: int | None = None,
   factor: int = 2,
   threshold: float = 1.0,
+  warmup_windows: int = 4,
 ) -> AdaptiveK:
   """An ``every_k`` for :func:`ga_optax.accumulate` following the noise scale.
 
@@ -161,6 +178,19 @@ def adaptive_k(
     ``k / factor``;
   * otherwise k stays. ``B_simple`` NaN (nothing measured yet, or a window
     that a loss scale dropped) keeps k.
+
+  The rules are tried in this order: a reading that meets both the first
+  and the third (possible only with ``threshold < 1 / factor``) grows k,
+  where ``max_k`` allows.
+
+  The reading moves k only once the averages hold ``warmup_windows``
+  measured windows (this one included): the windows before decide
+  nothing, whatever they read. A window's own estimates are noisy: at
+  k = 2 it reads ``tr(Sigma)`` from one degree of freedom, and its
+  ``|G|^2`` estimate falls to 0 or below (an infinite ``B_simple``)
+  whenever the noise in that window outweighs the gradient, which would
+  double k at once. A window that measures nothing (the second rule) is
+  not counted, and still grows k.
 
   k never reaches a window that measures nothing, so it never freezes on a
   stale reading: on one device (and inside ``jax.shard_map`` with
@@ -187,6 +217,14 @@ def adaptive_k(
     threshold: a positive number: how far past the batch ``B_simple`` must
       be before k moves (1: k doubles once ``B_simple`` reaches twice the
       batch, the point past which a larger batch still cuts the steps).
+    warmup_windows: a positive int: the measured windows the averages must
+      hold before their reading moves k; 1 decides on the first window's
+      estimates. The default, 4, averages enough windows to halve the
+      standard error of one window's estimates where
+      ``noise_scale_decay`` keeps them (at 0.9, 4 windows weigh 1, 0.9,
+      0.81 and 0.73: worth 3.95 windows; at 0 the averages are the last
+      window's, and the warm-up only delays the first move), for the cost
+      of 4 windows at ``initial_k`` (8 micro-steps at k = 2).
 
   Every size and ``factor`` must be at most 2**31 - 1, the range of the
   state's int32 counters.
@@ -195,8 +233,8 @@ def adaptive_k(
     An :class:`AdaptiveK`, to pass as ``every_k``.
 
   Raises:
-    TypeError: a size or ``factor`` is not an int, ``threshold`` not a
-      number.
+    TypeError: a size, ``factor`` or ``warmup_windows`` is not an int,
+      ``threshold`` not a number.
     ValueError: a value out of its range, or a ``max_k`` that is not
       ``initial_k * factor**n``.
 
@@ -204,13 +242,16 @@ def adaptive_k(
     >>> import jax.numpy as jnp, optax, ga_optax
     >>> tx = ga_optax.accumulate(
     ...     optax.sgd(0.1), ga_optax.batch_size.adaptive_k(2, max_k=8),
-    ...     noise_scale_decay=0.0)
+    ...     noise_scale_decay=0.9)
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)
-    >>> for grad in ([1.0, -1.0], [-1.0, 1.0]):  # all noise, no signal
-    ...   _, state = tx.update(jnp.array(grad), state, params)
-    >>> int(ga_optax.current_k(state))  # the next window holds 4
-    4
+    >>> ks = []  # the next window's k, after each window closes
+    >>> for _ in range(4):  # 4 windows of k = 2: all noise, no signal
+    ...   for grad in ([1.0, -1.0], [-1.0, 1.0]):
+    ...     _, state = tx.update(jnp.array(grad), state, params)
+    ...   ks.append(int(ga_optax.current_k(state)))
+    >>> ks  # the warm-up's 3 windows, then the 4th doubles k
+    [2, 2, 2, 4]
   """
   initial_k = validation.check_count(initial_k, "initial_k")
   max_k = validation.check_count(max_k, "max_k")
@@ -232,7 +273,10 @@ def adaptive_k(
     raise TypeError(f"threshold must be a positive number, got {threshold!r}.")
   if not (math.isfinite(threshold) and threshold > 0):
     raise ValueError(f"threshold must be a positive number, got {threshold}.")
-  return AdaptiveK(initial_k, max_k, min_k, factor, float(threshold))
+  warmup_windows = validation.check_count(warmup_windows, "warmup_windows")
+  return AdaptiveK(
+    initial_k, max_k, min_k, factor, float(threshold), warmup_windows
+  )
 
 
 LR_SCALINGS = (None, "sqrt", "linear")

@@ -561,7 +561,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "    window_weight = k.astype(b_simple.dtype)",
       ),
     ),
-    tests=("tests/test_adaptive.py::test_k_and_updates_follow_the_reference",),
+    tests=(
+      "tests/test_adaptive.py::test_k_and_updates_follow_the_reference",
+      "tests/test_adaptive.py::test_b_simple_is_weighed_against_the_windows_weight_not_k",
+    ),
   ),
   Mutant(
     name="lr_scaling_rules_swapped",
@@ -682,6 +685,113 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_adaptive.py::test_factor_and_max_k_at_the_int32_limit_do_not_wrap",
+    ),
+  ),
+  Mutant(
+    name="lr_scaling_by_the_micro_steps_held",
+    guarantee="batch size, closed loop (lr_scaling of a flushed window)",
+    defect="the updates are scaled by the micro-steps the window held over"
+    " the first k, not by its k: a flushed window's step shrinks",
+    edits=(
+      Edit(
+        MICRO_STEP,
+        "      updates, every_k, window.window_length.first()\n",
+        "      updates, micro_step.decision.micro_step,"
+        " window.window_length.first()\n",
+      ),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_a_flushed_window_is_scaled_for_its_k",
+    ),
+  ),
+  Mutant(
+    name="adaptive_k_shrink_bound_times_threshold",
+    guarantee="batch size, closed loop (shrink below W / (threshold * factor))",
+    defect="k shrinks below W * threshold / factor: a threshold above 1"
+    " shrinks k sooner instead of later",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "& (b_simple < window_weight / (self.threshold * self.factor))",
+        "& (b_simple < window_weight * self.threshold / self.factor)",
+      ),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_k_shrinks_only_below_the_batch_over_threshold_times_factor",
+    ),
+  ),
+  Mutant(
+    name="adaptive_k_shrink_overrides_growth",
+    guarantee="batch size, closed loop (growth is tried first)",
+    defect="a reading that meets both rules (threshold < 1 / factor)"
+    " shrinks k where it can grow",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "new_k = jnp.where(full & ~grows & shrinks, smaller, new_k)",
+        "new_k = jnp.where(full & shrinks, smaller, new_k)",
+      ),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_a_reading_that_meets_both_rules_grows_k",
+    ),
+  ),
+  Mutant(
+    name="adaptive_k_decides_during_the_warm_up",
+    guarantee="batch size, closed loop (the warm-up moves nothing)",
+    defect="the first window's reading moves k whatever warmup_windows says",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "    warmed_up = noise.windows >= self.warmup_windows",
+        "    warmed_up = noise.windows >= 1",
+      ),
+    ),
+    tests=("tests/test_adaptive.py::test_no_decision_before_the_warm_up_ends",),
+  ),
+  Mutant(
+    name="adaptive_k_warm_up_a_window_too_long",
+    guarantee="batch size, closed loop (the warm-up ends on time)",
+    defect="the window that completes the warm-up does not decide: the"
+    " first move comes a window late",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "    warmed_up = noise.windows >= self.warmup_windows",
+        "    warmed_up = noise.windows > self.warmup_windows",
+      ),
+    ),
+    tests=("tests/test_adaptive.py::test_no_decision_before_the_warm_up_ends",),
+  ),
+  Mutant(
+    name="adaptive_k_shrinks_during_the_warm_up",
+    guarantee="batch size, closed loop (the warm-up moves nothing)",
+    defect="the warm-up holds back growth only: a quiet first window shrinks k",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "        warmed_up\n        & (b_simple < window_weight",
+        "        (b_simple < window_weight",
+      ),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_k_does_not_shrink_during_the_warm_up",
+    ),
+  ),
+  Mutant(
+    name="adaptive_k_warm_up_freezes_a_window_that_measures_nothing",
+    guarantee="batch size, closed loop (k never freezes)",
+    defect="a window of one micro-gradient grows k only after the warm-up,"
+    " which it never ends: k = 1 stays 1",
+    edits=(
+      Edit(
+        ADAPTIVE,
+        "      (micro_gradients < 2)\n      | (\n",
+        "      ((micro_gradients < 2) & warmed_up)\n      | (\n",
+      ),
+    ),
+    tests=(
+      "tests/test_adaptive.py::test_a_window_that_measures_nothing_grows_k_during_the_warm_up",
     ),
   ),
   Mutant(
@@ -1303,6 +1413,23 @@ MUTANTS: tuple[Mutant, ...] = (
     tests=("tests/test_host_waits.py",),
   ),
   Mutant(
+    name="host_waits_count_loops_of_a_side_that_does_not_run",
+    guarantee="zero host waits on a GPU (the audit)",
+    defect="a loop inside the side of the window that does not run is"
+    " counted as running once: a closing call's waits include keep-open's"
+    " loops",
+    edits=(
+      Edit(
+        HOST_WAITS,
+        "        walk(callee, times * trips)",
+        "        walk(callee, times)",
+      ),
+    ),
+    tests=(
+      "tests/test_host_waits.py::test_a_loop_in_the_side_that_does_not_run_costs_no_wait",
+    ),
+  ),
+  Mutant(
     name="known_trip_count_loops_wait",
     guarantee="zero host waits on a GPU (the audit)",
     defect="a loop of known trip count (a lax.scan) is counted as reading its predicate on the host",
@@ -1335,7 +1462,40 @@ MUTANTS: tuple[Mutant, ...] = (
       Edit(GPU_RECIPE, '_COLLECTIVES = ("COLLECTIVES",)', "_COLLECTIVES = ()"),
     ),
     tests=(
+      "tests/test_gpu_options.py::test_by_default_the_recipe_captures_loops_and_collectives",
       "tests/test_gpu_program.py::test_eight_gpus_under_plain_jit[unreduced]",
+    ),
+  ),
+  Mutant(
+    name="recipe_collectives_off_by_default",
+    guarantee="zero host waits on 8 GPUs (the recipe's default)",
+    defect="gpu_compiler_options() leaves COLLECTIVES out unless asked:"
+    " the closing side of a window reduced across GPUs stays on the host",
+    edits=(
+      Edit(
+        GPU_RECIPE,
+        "def gpu_compiler_options(*, collectives: bool = True)",
+        "def gpu_compiler_options(*, collectives: bool = False)",
+      ),
+    ),
+    tests=(
+      "tests/test_gpu_options.py::test_by_default_the_recipe_captures_loops_and_collectives",
+    ),
+  ),
+  Mutant(
+    name="collective_kernels_a_version_late",
+    guarantee="the recipe keeps XLA's defaults (on the newest jaxlib)",
+    defect="COLLECTIVES_KERNEL is added from jaxlib 0.13, not 0.12: on 0.12"
+    " the list drops one of XLA's defaults (the same program on 0.10)",
+    edits=(
+      Edit(
+        GPU_RECIPE,
+        "_COLLECTIVE_KERNELS_SINCE = (0, 12)",
+        "_COLLECTIVE_KERNELS_SINCE = (0, 13)",
+      ),
+    ),
+    tests=(
+      "tests/test_gpu_options.py::test_collective_kernels_are_asked_for_from_jaxlib_0_12",
     ),
   ),
   Mutant(

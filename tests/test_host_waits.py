@@ -136,6 +136,72 @@ def test_waits_are_counted_per_path_from_the_printed_thunks():
   assert waits.closing == 1 + 2 + 1
 
 
+# The keep-open side holding a loop of unknown trip count: the loop runs
+# once on a micro-step and not at all when the window closes.
+HLO_LOOP_IN_THE_OPEN_SIDE = """\
+HloModule step, is_scheduled=true
+
+%side_cond (c: (pred[], f32[8])) -> pred[] {
+  %c = (pred[], f32[8]{0}) parameter(0)
+  ROOT %go = pred[] get-tuple-element(%c), index=0
+}
+
+%side_body (b: (pred[], f32[8])) -> (pred[], f32[8]) {
+  ROOT %b = (pred[], f32[8]{0}) parameter(0)
+}
+
+%open_body (ob: (pred[], f32[8])) -> (pred[], f32[8]) {
+  %ob = (pred[], f32[8]{0}) parameter(0)
+  ROOT %inner = (pred[], f32[8]{0}) while(%ob), condition=%side_cond, body=%side_body
+}
+
+ENTRY %main (p: (pred[], f32[8])) -> (pred[], f32[8]) {
+  %p = (pred[], f32[8]{0}) parameter(0)
+  %opened = (pred[], f32[8]{0}) while(%p), condition=%side_cond, body=%open_body, metadata={op_name="jit(step)/ga_optax_keep_open/while"}
+  ROOT %closed = (pred[], f32[8]{0}) while(%opened), condition=%side_cond, body=%side_body, metadata={op_name="jit(step)/ga_optax_close_window/while"}
+}
+"""
+LOOP_IN_THE_OPEN_SIDE_ON_THE_HOST = """\
+001: kWhile         [source       | next=002 (1)]
+condition:
+    No thunks.  body:
+    003: kWhile        [source | sink]
+    condition:
+        No thunks.  body:
+        004: kCustomKernel [source | sink] loop_fusion grid: [1, 1, 1]
+002: kWhile         [prev=001 (1) | sink        ]
+condition:
+    No thunks.  body:
+    005: kCustomKernel [source | sink] loop_add_fusion grid: [8, 1, 1]
+"""
+LOOP_IN_THE_OPEN_SIDE_METADATA = "".join(
+  f"""thunk_metadata {{
+  thunk_info {{
+    profile_annotation: "{name}"
+    thunk_id: {thunk_id}
+  }}
+  thunk_kind: "kWhile"
+}}
+"""
+  for thunk_id, name in [(1, "opened"), (2, "closed"), (3, "inner")]
+)
+
+
+def test_a_loop_in_the_side_that_does_not_run_costs_no_wait():
+  waits = testing.count_host_waits(
+    HLO_LOOP_IN_THE_OPEN_SIDE,
+    LOOP_IN_THE_OPEN_SIDE_ON_THE_HOST,
+    LOOP_IN_THE_OPEN_SIDE_METADATA,
+  )
+  assert waits.on_host == ("opened", "inner", "closed")
+  # A micro-step: keep-open's one trip (2), its loop's one (2), the
+  # closing side's none (1).
+  assert waits.micro_step == 2 + 2 + 1
+  # Closing: keep-open's none (1), which leaves its loop unrun (0); the
+  # closing side's one trip (2).
+  assert waits.closing == 1 + 0 + 2
+
+
 def test_control_flow_inside_a_command_buffer_costs_no_wait():
   waits = testing.count_host_waits(HLO, ONE_GRAPH, METADATA)
   assert waits[:4] == (0, 0, ("command_buffer",), ())

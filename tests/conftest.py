@@ -61,6 +61,22 @@ def pytest_configure(config):
     "devices(n): the test needs n devices of JAX's default backend; with"
     " fewer, it is skipped",
   )
+  config.addinivalue_line(
+    "markers",
+    "smoke: the quick subset, one test of each main claim (equivalence with"
+    " the large batch per schedule, in-step micro-batching, Flax, Equinox,"
+    " data parallel); `python -m pytest -m smoke` runs it in about a minute",
+  )
+
+
+def pytest_runtest_logreport(report):
+  """Names a failure as it happens, not only in the summary at the end.
+
+  A run stopped before its end (a time limit, Ctrl-C) then still says
+  which tests had failed.
+  """
+  if report.failed and report.when == "call":
+    print(f"\nFAILED {report.nodeid}", flush=True)
 
 
 def pytest_runtest_setup(item):

@@ -167,6 +167,7 @@ def _rows(microbatch) -> int:
   return microbatch["x"].shape[0]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("host_scheduled", [False, True])
 @pytest.mark.parametrize("grads_from", ["filter_grad", "microbatched"])
 def test_accumulate_with_a_filtered_model(grads_from, host_scheduled):

@@ -85,7 +85,9 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(
+  "k", [1, 2, 3, pytest.param(4, marks=pytest.mark.smoke), 8]
+)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_uniform_micro_batches_match_the_large_batch(name, k):
   result = assert_equivalent_to_large_batch(
@@ -210,6 +212,7 @@ def accumulated_step(optimizer_name, every_k, skip_nonfinite=False):
   return tx, step
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
   "name", ["sgd", "adamw_schedule", "clip_adamw", "lion"]
 )

@@ -203,7 +203,9 @@ def _train_in_step(loss_fn, weight_fn, params, data):
   return state
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "lm"])
+@pytest.mark.parametrize(
+  "name", [pytest.param("mlp", marks=pytest.mark.smoke), "cnn", "lm"]
+)
 def test_accumulation_matches_large_batch_training(name):
   model, loss_fn, weight_fn, data, example = _case(name)
   params = _init(model, example)

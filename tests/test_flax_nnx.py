@@ -197,7 +197,9 @@ def _train_in_step(make_model, loss_fn, weight_fn, data):
   return model
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "lm"])
+@pytest.mark.parametrize(
+  "name", [pytest.param("mlp", marks=pytest.mark.smoke), "cnn", "lm"]
+)
 def test_accumulation_matches_large_batch_training(name):
   make_model, loss_fn, weight_fn, data = _case(name)
   start = nnx.state(make_model(), nnx.Param)

@@ -52,7 +52,9 @@ def _maybe_jit(fn, use_jit: bool):
 
 
 @pytest.mark.parametrize("use_jit", [False, True])
-@pytest.mark.parametrize("num_microbatches", [1, 2, 4, 16])
+@pytest.mark.parametrize(
+  "num_microbatches", [1, 2, pytest.param(4, marks=pytest.mark.smoke), 16]
+)
 def test_mean_loss_matches_large_batch(num_microbatches, use_jit):
   params, batch = _params(), _batch()
   value_and_grad = ga_optax.microbatched_value_and_grad(
@@ -105,6 +107,7 @@ def _jitted_token_value_and_grad(num_microbatches: int):
   )
 
 
+@pytest.mark.smoke
 @hypothesis.settings(hypothesis.settings.get_profile("microbatch"))
 @hypothesis.given(
   num_microbatches=st.sampled_from([1, 2, 4, 8]),

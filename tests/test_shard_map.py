@@ -122,6 +122,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_shard_map_matches_the_large_batch(optimizer, skip_nonfinite):

@@ -385,3 +385,48 @@ def test_an_adaptive_k_read_once_per_window_is_the_large_batch():
   # The noise scale moved k: the windows are not all of one size.
   assert len({len(window) for window in windows}) > 1
   assert_close_and_finite(params, large_batch(optimizer, windows))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_loss_scale_drops_the_window_of_an_overflow_as_the_host_closes_it(
+  fused,
+):
+  """``dynamic_loss_scale`` under ``closing=``: one scale per window.
+
+  The loss is scaled by the scale the window started with, a window that
+  holds an Inf is dropped whole when the host closes it (the scale halves),
+  and the others are the large batch's steps: the reference steps Adam on
+  the finite windows' concatenated rows and skips the dropped one.
+  """
+  windows = [micro_batches([3, 5, 2], seed) for seed in range(4)]
+  windows[1][1]["x"] = windows[1][1]["x"].at[0, 0].set(jnp.inf)
+  optimizer = optax.adam(0.05)
+  scaled = ga_optax.mixed_precision.dynamic_loss_scale(optimizer)
+  tx = (ga_optax.accumulate_and_apply if fused else ga_optax.accumulate)(
+    scaled, 3
+  )
+
+  @functools.partial(jax.jit, static_argnames="closing")
+  def step(params, state, batch, closing):
+    scale = ga_optax.mixed_precision.loss_scale(state)
+    grads = jax.grad(lambda p: loss_fn(p, batch) * scale)(params)
+    weight = batch["x"].shape[0]
+    if fused:
+      return tx.apply(params, grads, state, weight=weight, closing=closing)
+    updates, state = tx.update(
+      grads, state, params, weight=weight, closing=closing
+    )
+    return optax.apply_updates(params, updates), state
+
+  params, state = init_params(), tx.init(init_params())
+  scales = []
+  for window in windows:
+    for index, batch in enumerate(window):
+      params, state = step(params, state, batch, closing=index == 2)
+    scales.append(float(ga_optax.mixed_precision.loss_scale(state)))
+  initial = float(ga_optax.mixed_precision.loss_scale(tx.init(params)))
+  assert scales == [initial, initial / 2, initial / 2, initial / 2]
+  assert int(ga_optax.mixed_precision.dropped_windows(state)) == 1
+  assert int(ga_optax.applied_updates(state)) == 4
+  kept = [window for index, window in enumerate(windows) if index != 1]
+  assert_close_and_finite(params, large_batch(optimizer, kept))

@@ -183,9 +183,18 @@ class Unreduced:
     return PartialSums(grads, weight, self.unreduced_axes)
 
   def zero_total(self) -> jax.Array:
-    return jax.reshard(
-      jnp.zeros((), jnp.float32),
-      PartitionSpec(unreduced=frozenset(_explicit_axes())),
+    # Summed from one zero per device, as a weighted total is, not cast
+    # from a constant: XLA merges equal constants, and jax 0.12 then gives
+    # the cast's sharding to every plain zero scalar returned beside it (the
+    # weight sum, the noise averages), as GSPMDSharding({unreduced}), which
+    # the next step cannot take as an argument.
+    axes = _explicit_axes()
+    shares = jax.reshard(
+      jnp.zeros((axes_lib.device_count(axes),), jnp.float32),
+      PartitionSpec(axes),
+    )
+    return jnp.einsum(
+      "d->", shares, out_sharding=PartitionSpec(unreduced=frozenset(axes))
     )
 
   def combine(self, value: Any, combine: parts.Combine) -> Any:

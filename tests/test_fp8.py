@@ -230,14 +230,15 @@ def relative_differences(actual: Any, expected: Any) -> dict[str, float]:
   }
 
 
-# The share recipe: exact, params and the whole float8 state.
+# The share recipe: params and the whole float8 state, to float32 rounding.
 
 
 @pytest.mark.parametrize("op_name", sorted(OPS))
 def test_share_of_the_window_loss_is_the_large_batch(op_name):
   # Windows of 6 + 10 rows from a trained state, with Adam: each
   # micro-batch's loss is its share of the window's mean loss, the window
-  # sums, and every backward tensor is the large batch's, row for row.
+  # sums, and every backward tensor is the large batch's, row for row, up
+  # to the rounding of the matrix products (below).
   model = Mlp(OPS[op_name])
   variables = warm_variables(op_name)
   rng = np.random.default_rng(2)
@@ -249,14 +250,26 @@ def test_share_of_the_window_loss_is_the_large_batch(op_name):
   )
   large_step, step = large_batch_step(model), micro_step(model, share_loss)
   for _ in range(4):
+    # Each window starts from the variables the last one left on both
+    # sides, so each comparison bounds one window's rounding, not four.
+    large = large.replace(params=state.params)
     batch = make_batch(rng, 16)
     first, second = split(batch, (6, 10))
+    window_start = state.params[FP8]
     state = step(state, first, 1.0, False, 16.0)
-    assert_close(state.params[FP8], large.params[FP8], rtol=0, atol=0)
+    # Mid-window the float8 state is the window start's, bit for bit.
+    assert_close(state.params[FP8], window_start, rtol=0, atol=0)
     state = step(state, second, 1.0, False, 16.0)
     large = large_step(large, batch)
     assert bool(ga_optax.emitted(state.opt_state))
-    # Measured: the fp8 state equal, the params within 3e-8.
+    # Equal to float32 rounding, not bit for bit: the closed state is a max
+    # over rows the window computes in products of 6 and 10 rows and the
+    # large batch in products of 16, and XLA does not round a row alike in
+    # both (on jax 0.12 the CPU's float32 (6, 32) @ (32, 4) product differs
+    # in the last bit from the same rows of the (16, 32) one). A max of
+    # values within a few ulps is within as many: measured 0 or 1 ulp
+    # (0.08274935930967331 against 0.08274935185909271 on jax 0.12), and
+    # rtol 1e-6 is 8 ulps. The params: within 3e-8.
     assert_close(state.params[FP8], large.params[FP8], rtol=1e-6, atol=0)
     assert_close(state.params["params"], large.params["params"], atol=1e-6)
 

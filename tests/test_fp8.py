@@ -274,6 +274,47 @@ def test_share_of_the_window_loss_is_the_large_batch(op_name):
     assert_close(state.params["params"], large.params["params"], atol=1e-6)
 
 
+def test_the_host_schedule_carries_the_float8_state_as_the_device_does():
+  # The share recipe with the host choosing each call's side (closing=):
+  # the first micro-batch keeps the window open, the second closes it (a
+  # window of 3 that the host closes after 2, so the counter alone would
+  # not). The float8 state stays the window start's mid-window and becomes
+  # the large batch's at the close, as do the params.
+  model = Mlp(OPS["Fp8DirectDotGeneralOp"])
+  variables = warm_variables("Fp8DirectDotGeneralOp")
+  rng = np.random.default_rng(5)
+  large = train_state.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=optax.adam(1e-2)
+  )
+  state = accumulating_state(
+    variables, ga_optax.accumulate(optax.adam(1e-2), 3, reduction="sum")
+  )
+
+  @functools.partial(jax.jit, static_argnames="closing")
+  def step(state, batch, closing):
+    grads = jax.grad(functools.partial(share_loss, model))(
+      state.params, batch, 16.0
+    )
+    return ga_optax.apply_gradients(state, grads, closing=closing)
+
+  large_step = large_batch_step(model)
+  for _ in range(3):
+    large = large.replace(params=state.params)
+    batch = make_batch(rng, 16)
+    first, second = split(batch, (6, 10))
+    window_start = state.params[FP8]
+    state = step(state, first, closing=False)
+    assert not bool(ga_optax.emitted(state.opt_state))
+    assert_close(state.params[FP8], window_start, rtol=0, atol=0)
+    state = step(state, second, closing=True)
+    assert bool(ga_optax.emitted(state.opt_state))
+    large = large_step(large, batch)
+    # Within float32 rounding, as in the device's schedule (above).
+    assert_close(state.params[FP8], large.params[FP8], rtol=1e-6, atol=0)
+    assert_close(state.params["params"], large.params["params"], atol=1e-6)
+  assert int(ga_optax.applied_updates(state.opt_state)) == 3
+
+
 @pytest.mark.devices(8)
 def test_share_windows_across_devices_in_shard_map():
   # Windows of 2 x 16 rows, 2 rows a device on 8 devices, inside shard_map:

@@ -12,7 +12,13 @@ One rule for ``accumulate``'s ``weight=`` and for what
   is what the sums mean; both drivers do it;
 * weight 0 adds nothing, even where the gradient is NaN (the ``0 / 0`` mean
   loss of an all-padding micro-batch): :func:`weighted` selects, it does
-  not multiply;
+  not multiply. Its derivative is still the product's: with respect to a
+  traced weight, the term (at weight 0 too, where the select alone would
+  give 0); with respect to the term, the weight. Where the weight is 0 and
+  the term is not finite the micro-batch is dropped, and both derivatives
+  are 0 there, as its contribution is (a per-device partial sum typed
+  ``unreduced`` cannot be read elementwise: its weight's derivative is the
+  term as it is);
 * a window (a batch, in the in-step path) whose weights sum to 0 or less
   has no mean: it gives zeros (:func:`reciprocal`), and ``accumulate`` does
   not step its optimizer on it (:func:`has_weight`);
@@ -120,8 +126,39 @@ def weighted(term: jax.Array, weight: Any, dtype: Any) -> jax.Array:
   term = jnp.asarray(term).astype(dtype)
   if isinstance(weight, (int, float)) and weight == 1:
     return term
-  weight = jnp.asarray(weight).astype(dtype)
+  return _selected_product(term, jnp.asarray(weight).astype(dtype))
+
+
+@jax.custom_jvp
+def _selected_product(term: jax.Array, weight: jax.Array) -> jax.Array:
   return jnp.where(weight == 0, jnp.zeros_like(term), weight * term)
+
+
+@_selected_product.defjvp
+def _selected_product_jvp(
+  primals: tuple[jax.Array, jax.Array], tangents: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+  # The select's own derivative is 0 at weight 0, where the product's, with
+  # respect to the weight, is the term: a meta-gradient through a window
+  # would miss every micro-batch whose weight happens to be 0.
+  term, weight = primals
+  term_dot, weight_dot = tangents
+  zeros = jnp.zeros_like(term)
+  through_weight = weight_dot * jnp.where(weight == 0, _finite(term), term)
+  through_term = jnp.where(weight == 0, zeros, weight * term_dot)
+  return _selected_product(term, weight), through_weight + through_term
+
+
+def _finite(term: jax.Array) -> jax.Array:
+  """``term`` with its non-finite elements at 0.
+
+  A per-device partial sum (typed ``unreduced`` over mesh axes) cannot be
+  read elementwise, and is returned as it is.
+  """
+  spec = getattr(getattr(jax.typeof(term), "sharding", None), "spec", None)
+  if getattr(spec, "unreduced", None):
+    return term
+  return jnp.where(jnp.isfinite(term), term, jnp.zeros_like(term))
 
 
 def counts(weight: Any) -> jax.Array:

@@ -28,6 +28,7 @@ state leaves shaped like it; other state leaves follow the rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -306,8 +307,30 @@ def _fits(spec: PartitionSpec, shape: tuple[int, ...]) -> bool:
   )
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _reduce_scatter(leaf: jax.Array, target: PartitionSpec) -> jax.Array:
   """An unreduced leaf summed over its devices, landing sharded as ``target``.
+
+  One reduce-scatter per leaf (:func:`_scattered_in_map`). Its derivative is
+  the same sum written as a reshard: JAX transposes the map that makes the
+  reduce-scatter wrongly (a meta-gradient through a ZeRO-1 window came out
+  at a fraction of the large batch's), and transposes the reshard right,
+  into a gather of the cotangent. A step that is not differentiated keeps
+  the reduce-scatter.
+  """
+  return _scattered_in_map(leaf, target)
+
+
+@_reduce_scatter.defjvp
+def _reduce_scatter_jvp(
+  target: PartitionSpec, primals: tuple[jax.Array], tangents: tuple[jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+  (leaf,), (leaf_dot,) = primals, tangents
+  return _reduce_scatter(leaf, target), jax.reshard(leaf_dot, target)
+
+
+def _scattered_in_map(leaf: jax.Array, target: PartitionSpec) -> jax.Array:
+  """:func:`_reduce_scatter`, as collectives in a fully manual map.
 
   Each dimension ``target`` shards over axes the leaf is unreduced over
   (after the axes it is sharded over already) is reduce-scattered over them;

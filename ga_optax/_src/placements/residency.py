@@ -165,7 +165,7 @@ def to_device_after(tree: Any, after: Any) -> Any:
     if kind_of(leaf) == "device":
       return leaf
     leaf, _ = jax.lax.optimization_barrier((leaf, twin))
-    return jax.device_put(leaf, SPACES["device"])
+    return _moved(leaf, "device")
 
   return jax.tree.map(fetch, tree, after)
 
@@ -254,7 +254,7 @@ def _put_leaf(leaf: Any, kind: str, unplaced: Any) -> Any:
   if isinstance(leaf, jax.core.Tracer):
     if kind_of(leaf) == kind:
       return leaf
-    return jax.device_put(leaf, SPACES[kind])
+    return _moved(leaf, kind)
   if not isinstance(leaf, jax.Array):
     return leaf
   if unplaced is not None and not leaf.committed:
@@ -264,3 +264,14 @@ def _put_leaf(leaf: Any, kind: str, unplaced: Any) -> Any:
   else:
     sharding = _named(leaf.sharding)
   return jax.device_put(leaf, sharding.with_memory_kind(kind))
+
+
+def _moved(traced: jax.Array, kind: str) -> jax.Array:
+  """A traced value moved to memory ``kind`` inside ``jit``.
+
+  The move names where the value comes from: JAX transposes a move that
+  does not to one that sends the cotangent to the destination again (a
+  device array's cotangent into host memory), and ``jax.grad`` through a
+  step that keeps state in host memory then fails on the cotangent's type.
+  """
+  return jax.device_put(traced, SPACES[kind], src=SPACES[kind_of(traced)])

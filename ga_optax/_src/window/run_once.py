@@ -44,9 +44,11 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jax_core
 from jax.sharding import AxisType
 
+from ga_optax._src.placements import residency
 from ga_optax._src.window import window_form
 
 Carry = TypeVar("Carry")
@@ -133,7 +135,65 @@ def _run_once_jvp(
   # A while loop has no transpose, so reverse mode cannot go through the
   # loops; the conditional computes the same function and has one. A step
   # that is not differentiated still runs the loops.
-  return jax.jvp(functools.partial(_as_conditional, body), primals, tangents)
+  primals_out, tangents_out = jax.jvp(
+    functools.partial(_as_conditional_on_device, body), primals, tangents
+  )
+  return primals_out, jax.tree.map(_in_memory_of, tangents_out, primals_out)
+
+
+def _as_conditional_on_device(
+  body: Callable[..., Carry],
+  predicate: jax.Array,
+  carry: Carry,
+  invariants: Sequence[Any],
+) -> Carry:
+  """The conditional, its operands and results in device memory.
+
+  Transposing a conditional makes zeros for the cotangents a branch does
+  not write, and JAX makes them in device memory whatever the operand's
+  memory kind: a state kept in host memory got a cotangent of the wrong
+  type. So the conditional's operands and results are moved to device
+  memory around it, and each to the memory kind ``body`` was traced with
+  inside its branch. Only the derivative rule takes this form; the primal
+  keeps its state where it lives.
+  """
+  carry_kinds = _kinds(carry)
+  invariant_kinds = _kinds(list(invariants))
+
+  def body_on_device(carried: Carry, *read: Any) -> Carry:
+    results = body(
+      _in_kinds(carried, carry_kinds), *_in_kinds(list(read), invariant_kinds)
+    )
+    return residency.to_device(results)
+
+  on_device = _as_conditional(
+    body_on_device,
+    predicate,
+    residency.to_device(carry),
+    residency.to_device(list(invariants)),
+  )
+  return _in_kinds(on_device, carry_kinds)
+
+
+def _kinds(tree: Any) -> Any:
+  return jax.tree.map(residency.kind_of, tree)
+
+
+def _in_kinds(tree: Any, kinds: Any) -> Any:
+  return jax.tree.map(residency.put, tree, kinds)
+
+
+def _in_memory_of(tangent: jax.Array, primal: jax.Array) -> jax.Array:
+  """``tangent`` in the memory space of ``primal``'s type.
+
+  The tangent of an integer (a counter kept in host memory with the
+  optimizer's state) is float0 zeros, which ``jax.jvp`` makes in device
+  memory; ``jax.custom_jvp`` wants them typed like the integer.
+  """
+  space = jax.typeof(primal).memory_space
+  if jax.typeof(tangent).memory_space == space:
+    return tangent
+  return jax.device_put(np.zeros(jnp.shape(primal), jax.dtypes.float0), space)
 
 
 def _as_loop(

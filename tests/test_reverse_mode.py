@@ -1,0 +1,284 @@
+"""``jax.grad`` through the window, under each placement, against the large batch.
+
+Each reference differentiates the large batch without ga_optax: ``jax.grad``
+of the loss over the concatenated rows, stepped by the bare optimizer. Each
+test names the defect it guards: a traced micro-batch weight of exactly 0
+(``accumulate``), a ZeRO-1 window's reduce-scatter, a window inside
+``jax.shard_map``, and state kept in host memory. Every window test runs in
+both of the window's forms (tests/test_window_form.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from token_windows import (
+  assert_finite_and_close,
+  init_params,
+  make_windows,
+  micro_steps,
+  token_mean_loss,
+  tokens,
+  whole,
+)
+
+import ga_optax
+from ga_optax._src.window import window_form
+
+DEVICES, ROWS, K = 8, 2, 3
+LEARNING_RATE = 0.3
+
+
+@pytest.fixture(params=window_form.FORMS)
+def form(request, monkeypatch) -> Iterator[str]:
+  """Each form in turn, pinned for the steps the test traces."""
+  monkeypatch.setenv(window_form.VARIABLE, request.param)
+  yield request.param
+
+
+def assert_derivative_matches(derivative: Any, expected: Any) -> None:
+  """Finite, worth comparing, and equal within float32 rounding."""
+  assert np.all(np.abs(np.asarray(expected)) > 1e-3), expected
+  assert_finite_and_close(derivative, expected, rtol=2e-5, atol=1e-6)
+
+
+# A traced weight of exactly 0.
+
+MICRO_BATCHES = 4
+WEIGHTS = np.array([0.0, 0.5, 1.5, 2.5], np.float32)
+
+
+def linear_data() -> tuple[np.ndarray, np.ndarray]:
+  rng = np.random.default_rng(3)
+  inputs = rng.normal(size=(MICRO_BATCHES, 5, 3)).astype(np.float32)
+  targets = rng.normal(size=(MICRO_BATCHES, 5)).astype(np.float32)
+  return inputs, targets
+
+
+def mean_squared_error(
+  params: jax.Array, inputs: jax.Array, targets: jax.Array
+) -> jax.Array:
+  return jnp.mean((inputs @ params - targets) ** 2)
+
+
+INITIAL = np.array([0.3, -0.2, 0.1], np.float32)
+
+
+def after_one_step(params: jax.Array) -> jax.Array:
+  inputs, targets = linear_data()
+  return mean_squared_error(params, inputs.reshape(-1, 3), targets.reshape(-1))
+
+
+def weighted_window(weights: jax.Array, nan_at_zero: bool = False) -> Any:
+  """The loss after one window of ``reduction="sum"``, of the weights."""
+  tx = ga_optax.accumulate(optax.sgd(0.1), MICRO_BATCHES, reduction="sum")
+  params = jnp.asarray(INITIAL)
+  state = tx.init(params)
+  inputs, targets = linear_data()
+  for index in range(MICRO_BATCHES):
+    grads = jax.grad(mean_squared_error)(params, inputs[index], targets[index])
+    if nan_at_zero and index == 0:
+      grads = jnp.full_like(grads, jnp.nan)  # an all-padding micro-batch's
+    updates, state = tx.update(grads, state, params, weight=weights[index])
+    params = optax.apply_updates(params, updates)
+  return after_one_step(params)
+
+
+def weighted_large_batch(weights: jax.Array) -> jax.Array:
+  """The same step on ``sum_i w_i L_i``, the micro-batches' weighted sum."""
+  inputs, targets = linear_data()
+
+  def weighted_sum(params: jax.Array) -> jax.Array:
+    losses = jax.vmap(mean_squared_error, in_axes=(None, 0, 0))(
+      params, inputs, targets
+    )
+    return jnp.sum(weights * losses)
+
+  params = jnp.asarray(INITIAL)
+  return after_one_step(params - 0.1 * jax.grad(weighted_sum)(params))
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_the_derivative_at_weight_zero_is_the_large_batch(form, jitted):
+  derivative_of = jax.grad(weighted_window)
+  if jitted:
+    derivative_of = jax.jit(derivative_of)
+  derivative = derivative_of(jnp.asarray(WEIGHTS))
+  expected = jax.grad(weighted_large_batch)(jnp.asarray(WEIGHTS))
+  assert WEIGHTS[0] == 0
+  assert_derivative_matches(derivative, expected)
+
+
+def test_a_dropped_nan_micro_batch_leaves_finite_derivatives(form):
+  # Weight 0 drops a micro-batch whose gradient is NaN; its weight's
+  # derivative is 0, as its contribution is, and the others' are the large
+  # batch's without it.
+  derivative = jax.jit(jax.grad(lambda w: weighted_window(w, True)))(
+    jnp.asarray(WEIGHTS)
+  )
+  expected = jax.grad(weighted_large_batch)(jnp.asarray(WEIGHTS))
+  assert float(derivative[0]) == 0.0
+  assert_derivative_matches(derivative[1:], expected[1:])
+
+
+# The rate's derivative through two windows of token-weighted SGD.
+
+WINDOWS = make_windows((K, K), DEVICES, ROWS, seed=11)
+
+
+def large_batch_final_loss(learning_rate: jax.Array) -> jax.Array:
+  params = init_params()
+  for window in WINDOWS:
+    grads = jax.grad(token_mean_loss)(params, whole(window))
+    params = jax.tree.map(
+      lambda param, grad: param - learning_rate * grad, params, grads
+    )
+  return token_mean_loss(params, whole([b for w in WINDOWS for b in w]))
+
+
+def expected_derivative() -> jax.Array:
+  return jax.grad(large_batch_final_loss)(jnp.asarray(LEARNING_RATE))
+
+
+@pytest.mark.devices(DEVICES)
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"inner_state_axes": "data"}],
+  ids=["unreduced", "zero1"],
+)
+def test_a_plain_jit_window_has_the_large_batch_derivative(form, options):
+  mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+  value_and_grad = ga_optax.unreduced_value_and_grad(
+    token_mean_loss, weight_fn=tokens
+  )
+  with jax.set_mesh(mesh):
+    batches = [jax.device_put(b, P("data")) for b, _ in micro_steps(WINDOWS, K)]
+    every_row = jax.device_put(
+      whole([b for w in WINDOWS for b in w]), P("data")
+    )
+    initial = jax.device_put(init_params(), P())
+
+    def final_loss(learning_rate: jax.Array) -> jax.Array:
+      tx = ga_optax.accumulate(
+        optax.sgd(learning_rate), K, unreduced_axes="data", **options
+      )
+      params, state = initial, tx.init(initial)
+      for batch in batches:
+        _, grads = value_and_grad(params, batch)
+        updates, state = tx.update(grads, state, params, weight=tokens(batch))
+        params = optax.apply_updates(params, updates)
+      return token_mean_loss(params, every_row)
+
+    derivative = jax.jit(jax.grad(final_loss))(jnp.float32(LEARNING_RATE))
+  assert_derivative_matches(derivative, expected_derivative())
+
+
+@pytest.mark.devices(DEVICES)
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_a_shard_map_window_has_the_large_batch_derivative(form, jitted):
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+
+  def window_of(learning_rate: Any) -> optax.GradientTransformation:
+    return ga_optax.accumulate(optax.sgd(learning_rate), K, axis_name="data")
+
+  def local(learning_rate, params, state, batch):
+    # The rate enters as an argument: a shard_map cannot close over a
+    # value typed with the mesh's Explicit axes.
+    tx = window_of(learning_rate)
+    grads = jax.grad(token_mean_loss)(params, batch)
+    updates, state = tx.update(grads, state, params, weight=tokens(batch))
+    return optax.apply_updates(params, updates), state
+
+  step = jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(P(), P(), P(), P("data")),
+    out_specs=(P(), P()),
+    check_vma=False,
+  )
+  with jax.set_mesh(mesh):
+    batches = [
+      jax.device_put(b, NamedSharding(mesh, P("data")))
+      for b, _ in micro_steps(WINDOWS, K)
+    ]
+    initial = jax.device_put(init_params(), NamedSharding(mesh, P()))
+    every_row = whole([b for w in WINDOWS for b in w])
+
+    def final_loss(learning_rate: jax.Array) -> jax.Array:
+      params, state = initial, window_of(LEARNING_RATE).init(initial)
+      for batch in batches:
+        params, state = step(learning_rate, params, state, batch)
+      return token_mean_loss(params, every_row)
+
+    derivative_of = jax.grad(final_loss)
+    if jitted:
+      derivative_of = jax.jit(derivative_of)
+    derivative = derivative_of(jnp.float32(LEARNING_RATE))
+  assert_derivative_matches(derivative, expected_derivative())
+
+
+# State in host memory, on one device.
+
+HOST_WINDOWS = make_windows((K, K), 1, 8, seed=12)
+HOST_KINDS = [
+  ("pinned_host", None),
+  (None, "pinned_host"),
+  ("pinned_host", "pinned_host"),
+]
+
+
+def host_final_loss(
+  make: Callable[[Any], optax.GradientTransformation],
+  kinds: tuple[str | None, str | None],
+  learning_rate: jax.Array,
+) -> jax.Array:
+  accumulator_kind, inner_kind = kinds
+  tx = ga_optax.accumulate(
+    make(learning_rate),
+    K,
+    accumulator_memory_kind=accumulator_kind,
+    inner_state_memory_kind=inner_kind,
+  )
+  params = init_params()
+  state = tx.init(params)
+  for batch, _ in micro_steps(HOST_WINDOWS, K):
+    grads = jax.grad(token_mean_loss)(params, batch)
+    updates, state = tx.update(grads, state, params, weight=tokens(batch))
+    params = optax.apply_updates(params, updates)
+  return token_mean_loss(params, whole([b for w in HOST_WINDOWS for b in w]))
+
+
+def host_large_batch(
+  make: Callable[[Any], optax.GradientTransformation], learning_rate: Any
+) -> jax.Array:
+  tx = make(learning_rate)
+  params = init_params()
+  state = tx.init(params)
+  for window in HOST_WINDOWS:
+    grads = jax.grad(token_mean_loss)(params, whole(window))
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return token_mean_loss(params, whole([b for w in HOST_WINDOWS for b in w]))
+
+
+@pytest.mark.parametrize(
+  "kinds", HOST_KINDS, ids=["accumulator", "inner_state", "both"]
+)
+def test_state_in_host_memory_has_the_large_batch_derivative(form, kinds):
+  # Adam: a state with an integer count and moments, all kept on the host.
+  def make(learning_rate: Any) -> optax.GradientTransformation:
+    return optax.adam(learning_rate)
+
+  derivative = jax.jit(jax.grad(lambda lr: host_final_loss(make, kinds, lr)))(
+    jnp.float32(1e-2)
+  )
+  expected = jax.grad(lambda lr: host_large_batch(make, lr))(jnp.float32(1e-2))
+  assert_derivative_matches(derivative, expected)

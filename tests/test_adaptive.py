@@ -17,6 +17,7 @@ resumes bit-identically; bad configurations are refused by name.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -421,26 +422,36 @@ def test_b_simple_is_weighed_against_the_windows_weight_not_k():
   assert window_weight / 2 <= b_simple < 2 * window_weight, b_simple
 
 
-def test_k_shrinks_only_below_the_batch_over_threshold_times_factor():
-  # threshold 2, factor 2: k shrinks below W / 4 = 1 and grows from
-  # 4 W = 16; B_simple 2 keeps k.
+def run_two_for_four(threshold: float) -> tuple[list[int], Any, Any, Any]:
+  """Windows of ``TWO_FOR_FOUR`` (B_simple 2, W 4) from k = 4, min_k 2.
+
+  Returns ``(ks, updates, state, expected)``: the run's k per window, its
+  updates and final state, and the NumPy rule's ``(ks, updates)``.
+  """
   rule = {
     "initial_k": 4,
     "max_k": 8,
     "min_k": 2,
     "factor": 2,
-    "threshold": 2.0,
+    "threshold": threshold,
     "warmup_windows": DEFAULT_WARMUP,
   }
   gradients = TWO_FOR_FOUR * (DEFAULT_WARMUP + 2)
   weights = [1.0] * len(gradients)
   tx = ga_optax.accumulate(
     optax.sgd(1.0),
-    ga_optax.batch_size.adaptive_k(4, max_k=8, min_k=2, threshold=2.0),
+    ga_optax.batch_size.adaptive_k(4, max_k=8, min_k=2, threshold=threshold),
     noise_scale_decay=DECAY,
   )
-  ks, _, state = run_accumulate(tx, gradients, weights)
-  expected_ks, _ = reference_run(gradients, weights, rule, decay=DECAY)
+  ks, updates, state = run_accumulate(tx, gradients, weights)
+  expected = reference_run(gradients, weights, rule, decay=DECAY)
+  return ks, updates, state, expected
+
+
+def test_k_shrinks_only_below_the_batch_over_threshold_times_factor():
+  # threshold 2, factor 2: k shrinks below W / 4 = 1 and grows from
+  # 4 W = 16; B_simple 2 keeps k.
+  ks, _, state, (expected_ks, _) = run_two_for_four(threshold=2.0)
   assert ks == expected_ks
   assert set(ks) == {4}, ks
   b_simple = float(ga_optax.noise_scale(state).b_simple)
@@ -452,24 +463,8 @@ def test_a_reading_that_meets_both_rules_grows_k():
   # threshold 1/8, factor 2: k grows from W / 4 = 1 and shrinks below
   # 4 W = 16, so B_simple 2 meets both; growth is tried first. After the
   # warm-up's windows of 4, the next holds 8.
-  rule = {
-    "initial_k": 4,
-    "max_k": 8,
-    "min_k": 2,
-    "factor": 2,
-    "threshold": 0.125,
-    "warmup_windows": DEFAULT_WARMUP,
-  }
-  gradients = TWO_FOR_FOUR * (DEFAULT_WARMUP + 2)
-  weights = [1.0] * len(gradients)
-  tx = ga_optax.accumulate(
-    optax.sgd(1.0),
-    ga_optax.batch_size.adaptive_k(4, max_k=8, min_k=2, threshold=0.125),
-    noise_scale_decay=DECAY,
-  )
-  ks, updates, _ = run_accumulate(tx, gradients, weights)
-  expected_ks, expected_updates = reference_run(
-    gradients, weights, rule, decay=DECAY
+  ks, updates, _, (expected_ks, expected_updates) = run_two_for_four(
+    threshold=0.125
   )
   assert ks == expected_ks
   assert ks == [4] * DEFAULT_WARMUP + [8], ks

@@ -182,8 +182,9 @@ def test_a_plain_jit_window_has_the_large_batch_derivative(form, options):
 
 
 @pytest.mark.devices(DEVICES)
-@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_a_shard_map_window_has_the_large_batch_derivative(form, jitted):
+def test_a_shard_map_window_has_the_large_batch_derivative(form):
+  # Jitted only: shard_map stages its body out as a jaxpr eagerly too, so an
+  # eager jax.grad traces the same window (at 200 s a form on 2 CPU cores).
   mesh = jax.make_mesh((DEVICES,), ("data",))
 
   def window_of(learning_rate: Any) -> optax.GradientTransformation:
@@ -218,10 +219,7 @@ def test_a_shard_map_window_has_the_large_batch_derivative(form, jitted):
         params, state = step(learning_rate, params, state, batch)
       return token_mean_loss(params, every_row)
 
-    derivative_of = jax.grad(final_loss)
-    if jitted:
-      derivative_of = jax.jit(derivative_of)
-    derivative = derivative_of(jnp.float32(LEARNING_RATE))
+    derivative = jax.jit(jax.grad(final_loss))(jnp.float32(LEARNING_RATE))
   assert_derivative_matches(derivative, expected_derivative())
 
 

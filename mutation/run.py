@@ -8,6 +8,7 @@ Usage (from anywhere, with the development environment active)::
   python mutation/run.py --baseline   # first, the same tests unmutated
   python mutation/run.py --only NAME --tests tests/test_x.py::test_y
                                       # whether that test catches NAME
+  python mutation/run.py --jobs 2     # two mutants at a time
 
 The working tree (tracked files and untracked ones git does not ignore) is
 copied once, at the start, so that every mutant is applied to the same
@@ -26,6 +27,7 @@ The exit status is 0 only when every mutant is killed.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import pathlib
 import re
@@ -155,11 +157,10 @@ def run_tests(
 
 
 def failing_tests(output: str) -> list[str]:
-  return [
-    match.group(1)
-    for line in output.splitlines()
-    if (match := SUMMARY_LINE.match(line))
-  ]
+  # A failure is named twice: the moment it fails (tests/conftest.py) and
+  # in pytest's summary.
+  named = (SUMMARY_LINE.match(line) for line in output.splitlines())
+  return list(dict.fromkeys(match.group(1) for match in named if match))
 
 
 def run_mutant(
@@ -245,12 +246,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     " default the platform's: the CPU's is the conditional form)",
   )
   parser.add_argument(
+    "--jobs",
+    type=int,
+    default=1,
+    help="mutants tested at once, each in its own pytest process (default"
+    " 1; one per core is the most that helps)",
+  )
+  parser.add_argument(
     "--timeout",
     type=int,
     default=900,
     help="seconds allowed per mutant's test run (default 900)",
   )
   args = parser.parse_args(argv)
+  if args.jobs < 1:
+    parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
   known = {mutant.name: mutant for mutant in MUTANTS}
   unknown = sorted(set(args.only or ()) - set(known))
@@ -297,9 +307,8 @@ def run_all(
       print("the tests fail unmutated: no mutant verdict would mean anything")
       return 2
 
-  outcomes = []
-  for mutant in selected:
-    outcome = run_mutant(
+  def verdict(mutant: Mutant) -> Outcome:
+    return run_mutant(
       snapshot,
       mutant,
       args.tests or mutant.tests,
@@ -307,16 +316,14 @@ def run_all(
       args.first_failure,
       args.window_form,
     )
-    outcomes.append(outcome)
-    print(
-      f"{outcome.status:8} {outcome.name} ({outcome.seconds:.0f} s,"
-      f" {len(outcome.failing)} failing)",
-      flush=True,
-    )
-    for test in outcome.failing:
-      print(f"           {test}")
-    if outcome.status == "error":
-      print(outcome.output_tail)
+
+  outcomes = []
+  # Each mutant's tests run in a subprocess of its own copy: threads only
+  # wait on them. The verdicts print in the mutants' order.
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    for outcome in pool.map(verdict, selected):
+      outcomes.append(outcome)
+      report(outcome)
 
   killed = sum(outcome.status == "killed" for outcome in outcomes)
   elapsed = time.perf_counter() - start
@@ -325,6 +332,18 @@ def run_all(
     if outcome.status != "killed":
       print(f"  {outcome.status}: {outcome.name}")
   return 0 if killed == len(outcomes) else 1
+
+
+def report(outcome: Outcome) -> None:
+  print(
+    f"{outcome.status:8} {outcome.name} ({outcome.seconds:.0f} s,"
+    f" {len(outcome.failing)} failing)",
+    flush=True,
+  )
+  for test in outcome.failing:
+    print(f"           {test}")
+  if outcome.status == "error":
+    print(outcome.output_tail)
 
 
 if __name__ == "__main__":

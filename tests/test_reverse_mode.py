@@ -4,8 +4,12 @@ Each reference differentiates the large batch without ga_optax: ``jax.grad``
 of the loss over the concatenated rows, stepped by the bare optimizer. Each
 test names the defect it guards: a traced micro-batch weight of exactly 0
 (``accumulate``), a ZeRO-1 window's reduce-scatter, a window inside
-``jax.shard_map``, and state kept in host memory. Every window test runs in
-both of the window's forms (tests/test_window_form.py).
+``jax.shard_map``, and state kept in host memory (on one device under each
+schedule, and the optimizer's state under a plain ``jax.jit`` over a mesh;
+the placements JAX cannot differentiate it under are refused). Differentiated,
+either form traces the derivative rule's conditional; the tests that guard
+the window's own defects run in both forms all the same
+(tests/test_window_form.py), the host-memory ones added after them once.
 """
 
 from __future__ import annotations
@@ -255,16 +259,18 @@ def host_final_loss(
 
 
 def host_large_batch(
-  make: Callable[[Any], optax.GradientTransformation], learning_rate: Any
+  make: Callable[[Any], optax.GradientTransformation],
+  learning_rate: Any,
+  windows: list[list[Any]] = HOST_WINDOWS,
 ) -> jax.Array:
   tx = make(learning_rate)
   params = init_params()
   state = tx.init(params)
-  for window in HOST_WINDOWS:
+  for window in windows:
     grads = jax.grad(token_mean_loss)(params, whole(window))
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
-  return token_mean_loss(params, whole([b for w in HOST_WINDOWS for b in w]))
+  return token_mean_loss(params, whole([b for w in windows for b in w]))
 
 
 @pytest.mark.parametrize(
@@ -280,3 +286,190 @@ def test_state_in_host_memory_has_the_large_batch_derivative(form, kinds):
   )
   expected = jax.grad(lambda lr: host_large_batch(make, lr))(jnp.float32(1e-2))
   assert_derivative_matches(derivative, expected)
+
+
+# Host memory under the host's schedule: the host closes the first window
+# (closing=False, then True), the device the second (closing=None), the
+# host the third. JAX makes the zeros of an unperturbed tangent in device
+# memory whatever the value's kind, and types a select of scalars in device
+# memory: the moves and the host's selects must not take either for the
+# state's own kind. Differentiated, both forms trace the derivative rule's
+# conditional, so the tests below run once, in the platform's form.
+
+SWITCHING_WINDOWS = make_windows((2, 2, 2), 1, 8, seed=13)
+SWITCHING = (False, True, None, None, False, True)
+
+
+@pytest.mark.parametrize(
+  "kinds", [HOST_KINDS[0], HOST_KINDS[2]], ids=["accumulator", "both"]
+)
+@pytest.mark.parametrize("path", ["accumulate", "accumulate_and_apply"])
+def test_state_in_host_memory_has_the_large_batch_derivative_as_the_host_switches(
+  kinds, path
+):
+  accumulator_kind, inner_kind = kinds
+  make = getattr(ga_optax, path)
+
+  def final_loss(learning_rate: jax.Array) -> jax.Array:
+    tx = make(
+      optax.adam(learning_rate),
+      2,
+      accumulator_memory_kind=accumulator_kind,
+      inner_state_memory_kind=inner_kind,
+    )
+    params = init_params()
+    state = tx.init(params)
+    batches = [batch for window in SWITCHING_WINDOWS for batch in window]
+    for batch, closing in zip(batches, SWITCHING, strict=True):
+      grads = jax.grad(token_mean_loss)(params, batch)
+      options = {} if closing is None else {"closing": closing}
+      if path == "accumulate":
+        updates, state = tx.update(
+          grads, state, params, weight=tokens(batch), **options
+        )
+        params = optax.apply_updates(params, updates)
+      else:
+        params, state = tx.apply(
+          params, grads, state, weight=tokens(batch), **options
+        )
+    return token_mean_loss(params, whole(batches))
+
+  derivative = jax.jit(jax.grad(final_loss))(jnp.float32(1e-2))
+  expected = jax.grad(
+    lambda lr: host_large_batch(optax.adam, lr, SWITCHING_WINDOWS)
+  )(jnp.float32(1e-2))
+  assert_derivative_matches(derivative, expected)
+
+
+def test_a_host_scheduled_close_keeps_a_step_count_in_host_memory():
+  # A select of scalars is typed in device memory whatever its operands':
+  # Adam's count came back on the device, and the next call refused it.
+  tx = ga_optax.accumulate(
+    optax.adam(1e-2), 2, inner_state_memory_kind="pinned_host"
+  )
+  params = init_params()
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  for closing in (False, True, False):
+    _, state = jax.jit(
+      lambda state, closing=closing: tx.update(
+        grads, state, params, closing=closing
+      )
+    )(state)
+  count = state.inner_state[0].count
+  assert count.sharding.memory_kind == "pinned_host"
+  assert int(count) == 1
+
+
+# The optimizer's state in host memory under a plain jit over a mesh.
+
+
+@pytest.mark.devices(DEVICES)
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"inner_state_axes": "data"}],
+  ids=["unreduced", "zero1"],
+)
+def test_a_plain_jit_window_with_its_optimizer_state_in_host_memory(options):
+  mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+  value_and_grad = ga_optax.unreduced_value_and_grad(
+    token_mean_loss, weight_fn=tokens
+  )
+  with jax.set_mesh(mesh):
+    batches = [jax.device_put(b, P("data")) for b, _ in micro_steps(WINDOWS, K)]
+    every_row = jax.device_put(
+      whole([b for w in WINDOWS for b in w]), P("data")
+    )
+    initial = jax.device_put(init_params(), P())
+
+    def final_loss(learning_rate: jax.Array) -> jax.Array:
+      tx = ga_optax.accumulate(
+        optax.adam(learning_rate),
+        K,
+        unreduced_axes="data",
+        inner_state_memory_kind="pinned_host",
+        **options,
+      )
+      params, state = initial, tx.init(initial)
+      for batch in batches:
+        _, grads = value_and_grad(params, batch)
+        updates, state = tx.update(grads, state, params, weight=tokens(batch))
+        params = optax.apply_updates(params, updates)
+      return token_mean_loss(params, every_row)
+
+    derivative = jax.jit(jax.grad(final_loss))(jnp.float32(1e-2))
+  expected = jax.grad(lambda lr: host_large_batch(optax.adam, lr, WINDOWS))(
+    jnp.float32(1e-2)
+  )
+  assert_derivative_matches(derivative, expected)
+
+
+# Refused: JAX's shard_map transposes to device-memory cotangents for its
+# host-memory operands, and the cotangent of an accumulator typed unreduced
+# comes back unreduced through the move to host memory. Each differentiates
+# one micro-step with respect to the params: k=2 keeps the window open
+# (only the accumulator is kept), k=1 closes it (the optimizer's state is).
+
+REFUSED = [
+  ("shard_map", "accumulator_memory_kind", 2),
+  ("shard_map", "inner_state_memory_kind", 1),
+  ("unreduced", "accumulator_memory_kind", 2),
+  ("zero1", "accumulator_memory_kind", 2),
+]
+
+
+@pytest.mark.devices(DEVICES)
+@pytest.mark.parametrize(
+  "placement, argument, every_k",
+  REFUSED,
+  ids=[f"{placement}-{argument}" for placement, argument, _ in REFUSED],
+)
+def test_state_in_host_memory_is_refused_where_jax_cannot_differentiate_it(
+  placement, argument, every_k
+):
+  batch, _ = next(micro_steps(WINDOWS, K))
+  options = {argument: "pinned_host"}
+  if placement == "shard_map":
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    tx = ga_optax.accumulate(
+      optax.adam(1e-2), every_k, axis_name="data", **options
+    )
+
+    def local(params, state, batch):
+      grads = jax.grad(token_mean_loss)(params, batch)
+      updates, _ = tx.update(grads, state, params, weight=tokens(batch))
+      return token_mean_loss(optax.apply_updates(params, updates), batch)
+
+    loss_after = jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(P(), P(), P("data")),
+      out_specs=P(),
+      check_vma=False,
+    )
+  else:
+    mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+    if placement == "zero1":
+      options["inner_state_axes"] = "data"
+    tx = ga_optax.accumulate(
+      optax.adam(1e-2), every_k, unreduced_axes="data", **options
+    )
+    value_and_grad = ga_optax.unreduced_value_and_grad(
+      token_mean_loss, weight_fn=tokens
+    )
+
+    def loss_after(params, state, batch):
+      _, grads = value_and_grad(params, batch)
+      updates, _ = tx.update(grads, state, params, weight=tokens(batch))
+      return token_mean_loss(optax.apply_updates(params, updates), batch)
+
+  with jax.set_mesh(mesh):
+    params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+    state = tx.init(params)
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    # Not differentiated, the step keeps its state in host memory.
+    assert np.isfinite(float(jax.jit(loss_after)(params, state, batch)))
+    with pytest.raises(
+      ValueError, match=f"{argument}=None \\(device memory\\)"
+    ):
+      jax.jit(jax.grad(loss_after))(params, state, batch)

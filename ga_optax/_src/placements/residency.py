@@ -16,9 +16,11 @@ and every method of it does nothing, so the window calls it unconditionally.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # The memory kinds a jitted program can type its values with, and the space
@@ -75,11 +77,15 @@ class Residency:
       arrays wherever JAX puts them.
     field: the state field it governs, for error messages.
     argument: the argument that chose it, for error messages.
+    refused_in_reverse_mode: the placement under which a step that is
+      differentiated cannot keep the arrays in ``kind`` (``"jax.shard_map
+      (axis_name)"``, say), or None where it can.
   """
 
   kind: str | None
   field: str
   argument: str
+  refused_in_reverse_mode: str | None = None
 
   @property
   def home(self) -> str:
@@ -91,8 +97,34 @@ class Residency:
 
     ``unplaced``: where arrays not committed to devices go (a scalar made by
     ``jnp.zeros``, say); None keeps them on their default device.
+
+    Raises:
+      ValueError: a step that keeps the arrays out of device memory under
+        :attr:`refused_in_reverse_mode` is differentiated (raised while
+        ``jax.grad`` traces it, where ``tree`` depends on what is
+        differentiated).
     """
+    if self.kind is not None and self.refused_in_reverse_mode is not None:
+      refusal = self._reverse_mode_refusal()
+      tree = jax.tree.map(
+        lambda leaf: (
+          _not_differentiated(leaf, refusal)
+          if isinstance(leaf, jax.core.Tracer)
+          else leaf
+        ),
+        tree,
+      )
     return put(tree, self.kind, unplaced=unplaced)
+
+  def _reverse_mode_refusal(self) -> str:
+    return (
+      f"jax.grad through a step that keeps {self.field} out of device memory"
+      f" ({self.argument}={self.kind!r}) under {self.refused_in_reverse_mode}"
+      " is not supported: JAX (0.10) gives the cotangent of such a state"
+      " another memory kind or sharding than its type. Leave"
+      f" {self.argument}=None (device memory) for a step that is"
+      f" differentiated; a step that is not may keep it in {self.kind!r}."
+    )
 
   def check_kept(self, tree: Any) -> None:
     """Raises unless every array leaf of ``tree`` is in :attr:`home`.
@@ -126,6 +158,23 @@ class Residency:
       " (jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(params))"
       " with orbax), whose shardings carry the memory kinds."
     )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _not_differentiated(value: jax.Array, refusal: str) -> jax.Array:
+  """``value``, refusing with ``refusal`` where its derivative is taken.
+
+  The identity, which leaves no trace in a compiled program; its derivative
+  rule runs only where ``value`` depends on what is differentiated.
+  """
+  del refusal
+  return value
+
+
+@_not_differentiated.defjvp
+def _not_differentiated_jvp(refusal: str, primals: Any, tangents: Any) -> Any:
+  del primals, tangents
+  raise ValueError(refusal)
 
 
 def put(tree: Any, kind: str | None, *, unplaced: Any = None) -> Any:
@@ -168,6 +217,62 @@ def to_device_after(tree: Any, after: Any) -> Any:
     return _moved(leaf, "device")
 
   return jax.tree.map(fetch, tree, after)
+
+
+def where(predicate: jax.Array, new: Any, old: Any) -> Any:
+  """``jnp.where(predicate, new, old)``, in the memory kind of ``old``."""
+  if kind_of(old) == "device":
+    return jnp.where(predicate, new, old)
+  return _where_kept(predicate, new, old)
+
+
+@jax.custom_jvp
+def _where_kept(predicate: jax.Array, new: jax.Array, old: jax.Array) -> Any:
+  """The select of a value kept in another memory kind than the device's.
+
+  JAX (0.10) types an elementwise operation on scalars in device memory
+  whatever its operands' memory (its rule reads only the operands with
+  dimensions): a step count kept in host memory came back on the device,
+  for the next call to refuse. Such a scalar is selected on the device and
+  sent back; an array is selected where it lives.
+  """
+  if jnp.ndim(old):
+    return jnp.where(predicate, new, old)
+  selected = jnp.where(predicate, to_device(new), to_device(old))
+  return put(selected, kind_of(old))
+
+
+@functools.partial(_where_kept.defjvp, symbolic_zeros=True)
+def _where_kept_jvp(
+  primals: tuple[jax.Array, ...], tangents: tuple[Any, ...]
+) -> tuple[jax.Array, Any]:
+  # The tangents are selected on the device and sent back. JAX makes the
+  # zeros of a tangent in device memory whatever its value's kind (see
+  # _moved), and a select of those and a tangent in host memory did not
+  # trace.
+  predicate, new, old = primals
+  _, new_tangent, old_tangent = tangents
+  selected = _where_kept(predicate, new, old)
+  if all(_is_zero(tangent) for tangent in (new_tangent, old_tangent)):
+    return selected, jax.custom_derivatives.SymbolicZero(
+      jax.typeof(selected).to_tangent_aval()
+    )
+  tangent = jnp.where(
+    predicate, _on_device(new_tangent), _on_device(old_tangent)
+  )
+  return selected, put(tangent, kind_of(old))
+
+
+def _is_zero(tangent: Any) -> bool:
+  return isinstance(tangent, jax.custom_derivatives.SymbolicZero) or (
+    tangent.dtype == jax.dtypes.float0
+  )
+
+
+def _on_device(tangent: Any) -> jax.Array:
+  if isinstance(tangent, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros(tangent.shape, tangent.dtype)
+  return to_device(tangent)
 
 
 def kind_of(leaf: Any) -> str:
@@ -269,9 +374,17 @@ def _put_leaf(leaf: Any, kind: str, unplaced: Any) -> Any:
 def _moved(traced: jax.Array, kind: str) -> jax.Array:
   """A traced value moved to memory ``kind`` inside ``jit``.
 
-  The move names where the value comes from: JAX transposes a move that
-  does not to one that sends the cotangent to the destination again (a
-  device array's cotangent into host memory), and ``jax.grad`` through a
-  step that keeps state in host memory then fails on the cotangent's type.
+  A move into host memory names where the value comes from: JAX transposes
+  a move that does not to one that sends the cotangent to the destination
+  again (a device array's cotangent into host memory), and ``jax.grad``
+  through a step that keeps state in host memory then fails on the
+  cotangent's type. A move to the device names no source: JAX then sends
+  the cotangent to the memory of the tangent that was moved, which need not
+  be the value's. JAX makes the zeros of a tangent in device memory
+  whatever its value's kind (of state kept in host memory that does not
+  yet depend on what is differentiated, or that a closed window left at
+  zero), and a move named from the host sent their cotangent there.
   """
+  if kind == "device":
+    return jax.device_put(traced, SPACES[kind])
   return jax.device_put(traced, SPACES[kind], src=SPACES[kind_of(traced)])

@@ -71,6 +71,19 @@ def resolve(
   precision.warn_if_accumulator_too_narrow(
     accumulator_dtype, every_k, stacklevel=3
   )
+  placement = parallel.resolve(axis_name, unreduced_axes, inner_state_axes)
+  # Where jax.grad through state kept in host memory fails inside JAX:
+  # shard_map's transpose hands back device-memory cotangents for its
+  # host-memory operands, and the cotangent of an accumulator typed
+  # unreduced comes back unreduced, not reduced, through the move to host.
+  in_shard_map = (
+    f"jax.shard_map (axis_name={axis_name!r})"
+    if axis_name is not None
+    else None
+  )
+  partial_sums = (
+    f"unreduced_axes={unreduced_axes!r}" if placement.unreduced_axes else None
+  )
   return Window(
     inner=validation.check_optimizer(optimizer),
     window_length=window_length,
@@ -78,13 +91,14 @@ def resolve(
     reduction=reduction,
     accumulator_dtype=accumulator_dtype,
     skip_nonfinite=skip_nonfinite,
-    parallel=parallel.resolve(axis_name, unreduced_axes, inner_state_axes),
+    parallel=placement,
     accumulator_home=residency.Residency(
       residency.check_memory_kind(
         accumulator_memory_kind, "accumulator_memory_kind"
       ),
       field="accumulator",
       argument="accumulator_memory_kind",
+      refused_in_reverse_mode=in_shard_map or partial_sums,
     ),
     inner_state_home=residency.Residency(
       residency.check_memory_kind(
@@ -92,6 +106,7 @@ def resolve(
       ),
       field="inner_state",
       argument="inner_state_memory_kind",
+      refused_in_reverse_mode=in_shard_map,
     ),
     output=output,
     noise=noise_scale.Unmeasured()

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 
+from ga_optax._src.placements import residency
 from ga_optax._src.window import run_once
 
 Carry = TypeVar("Carry")
@@ -118,7 +119,7 @@ class HostScheduled:
     with jax.named_scope(name):
       taken = body(carry)
     return jax.tree.map(
-      lambda new, old: jnp.where(predicate, new, old), taken, carry
+      lambda new, old: residency.where(predicate, new, old), taken, carry
     )
 
   def carriers(self, carriers: dict[str, Any]) -> dict[str, Any]:

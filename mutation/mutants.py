@@ -1296,7 +1296,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "    - analysis.alias_size_in_bytes\n",
       ),
     ),
-    tests=("tests/test_planner.py",),
+    tests=(
+      "tests/test_planner.py::test_micro_step_bytes_is_the_memory_analysis_computed_by_hand",
+    ),
   ),
   Mutant(
     name="planner_counts_arguments_only",
@@ -1310,7 +1312,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "  return int(compiled.memory_analysis().argument_size_in_bytes)\n",
       ),
     ),
-    tests=("tests/test_planner.py",),
+    tests=(
+      "tests/test_planner.py::test_micro_step_bytes_is_the_memory_analysis_computed_by_hand",
+    ),
   ),
   # The HLO audits of ga_optax.testing.
   Mutant(

@@ -641,6 +641,42 @@ def test_a_constant_scan_carry_on_explicit_axes(path, carry_sharding):
   _assert_finite_and_close(actual, expected)
 
 
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("path", ["microbatched", "unreduced"])
+def test_a_value_traced_in_the_step_is_passed_not_closed_over(path):
+  # On Explicit axes each device's micro-batches run in a jax.shard_map,
+  # which takes in no value closed over from the step: the error says to
+  # pass it after the batch, and passed so it reaches every micro-batch.
+  def scaled_loss(params, batch, scale):
+    return scale * _rnn_loss("none")(params, batch)
+
+  def scaled_reference(scale):
+    loss = functools.partial(scaled_loss, scale=scale)
+    return jax.value_and_grad(loss)(_rnn_params(), _rnn_batch())
+
+  make = {
+    "microbatched": functools.partial(
+      ga_optax.microbatched_value_and_grad, num_microbatches=4
+    ),
+    "unreduced": ga_optax.unreduced_value_and_grad,
+  }[path]
+
+  def passed(params, batch, scale):
+    value, grads = make(scaled_loss)(params, batch, scale)
+    return value, jax.tree.map(lambda grad: jax.reshard(grad, P()), grads)
+
+  def closed_over(params, batch, scale):
+    return make(lambda p, b: scaled_loss(p, b, scale))(params, batch)
+
+  with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+    batch = jax.device_put(_rnn_batch(), P("data"))
+    scale = jnp.float32(2.5)
+    with pytest.raises(ValueError, match="closes over a value traced"):
+      jax.jit(closed_over)(_rnn_params(), batch, scale)
+    actual = jax.jit(passed)(_rnn_params(), batch, scale)
+  _assert_finite_and_close(actual, scaled_reference(2.5))
+
+
 # A linear model of two outputs (tests/linear_case.py), its batch in
 # NUM_MICROBATCHES micro-batches.
 NUM_MICROBATCHES = 4

@@ -133,6 +133,54 @@ def test_a_dropped_nan_micro_batch_leaves_finite_derivatives(form):
   assert_derivative_matches(derivative[1:], expected[1:])
 
 
+def scanned_step(weights: jax.Array, closed_over: bool) -> jax.Array:
+  """The loss after one SGD step of the scan's weighted mean gradient."""
+  inputs, targets = linear_data()
+  # Row r of the batch is a row of micro-batch r % MICRO_BATCHES, which is
+  # how the scan splits it.
+  batch = {
+    "inputs": inputs.transpose(1, 0, 2).reshape(-1, 3),
+    "targets": targets.T.reshape(-1),
+    "index": np.tile(np.arange(MICRO_BATCHES), inputs.shape[1]),
+  }
+  if closed_over:
+    # The weights reach weight_fn from outside, as a traced constant.
+    def weight_fn(microbatch: dict[str, jax.Array]) -> jax.Array:
+      return weights[microbatch["index"][0]]
+  else:
+    batch["weight"] = jnp.tile(weights, inputs.shape[1])
+
+    def weight_fn(microbatch: dict[str, jax.Array]) -> jax.Array:
+      return microbatch["weight"][0]
+
+  def loss(params: jax.Array, microbatch: dict[str, jax.Array]) -> jax.Array:
+    return mean_squared_error(
+      params, microbatch["inputs"], microbatch["targets"]
+    )
+
+  params = jnp.asarray(INITIAL)
+  _, grads = ga_optax.microbatched_value_and_grad(
+    loss, MICRO_BATCHES, weight_fn=weight_fn
+  )(params, batch)
+  return after_one_step(params - 0.1 * grads)
+
+
+@pytest.mark.parametrize("closed_over", [False, True], ids=["batch", "closure"])
+def test_the_scans_derivative_at_weight_zero_is_the_large_batch(closed_over):
+  # The scan's weighted mean, sum_i w_i g_i / sum_i w_i, against the large
+  # batch's step on sum_i w_i L_i / sum_i w_i; the scan holds no window, so
+  # it has one form.
+  def large_batch(weights: jax.Array) -> jax.Array:
+    return weighted_large_batch(weights / jnp.sum(weights))
+
+  derivative = jax.jit(jax.grad(lambda w: scanned_step(w, closed_over)))(
+    jnp.asarray(WEIGHTS)
+  )
+  expected = jax.grad(large_batch)(jnp.asarray(WEIGHTS))
+  assert WEIGHTS[0] == 0
+  assert_derivative_matches(derivative, expected)
+
+
 # The rate's derivative through two windows of token-weighted SGD.
 
 WINDOWS = make_windows((K, K), DEVICES, ROWS, seed=11)

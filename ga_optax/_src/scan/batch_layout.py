@@ -339,6 +339,10 @@ def map_over_batch_axes(
 
   Returns:
     What ``per_device`` returns, sharded as ``out_specs`` says.
+
+  Raises:
+    ValueError: the user's functions close over a value traced in the step
+      while ``axes`` are Explicit, which ``jax.shard_map`` cannot take in.
   """
   types = axes_lib.mesh_axis_types()
   if any(types[axis] == AxisType.Explicit for axis in axes):
@@ -382,7 +386,27 @@ def map_over_batch_axes(
     mapped = jax.sharding.auto_axes(
       mapped, axes=other_explicit, out_sharding=out_specs
     )
-  return mapped(replicated, list(split))
+  try:
+    return mapped(replicated, list(split))
+  except NotImplementedError as error:
+    if "Closing over inputs to shard_map" not in str(error):
+      raise
+    raise ValueError(CLOSED_OVER_TRACER) from error
+
+
+# JAX's shard_map takes in no value closed over from the enclosing trace on
+# Explicit axes (a loss that reads a learning rate or a temperature computed
+# in the jitted step); its error names the shard_map, which the user never
+# wrote.
+CLOSED_OVER_TRACER = (
+  "fun (or weight_fn) closes over a value traced in the step (a temperature"
+  " or weights computed inside the jitted function, say), and the batch is"
+  " sharded over Explicit mesh axes, where each device's micro-batches run"
+  " in a jax.shard_map that cannot take such a value in. Pass it as an"
+  " argument instead: g(params, batch, value) calls fun(params,"
+  " micro_batch, value) (arguments after the batch are passed unchanged);"
+  " a weight_fn may read per-row weights from the batch."
+)
 
 
 def _onto_batch_axes(leaf: Any, axis: int, axes: Axes) -> Any:

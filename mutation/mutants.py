@@ -73,6 +73,8 @@ ARGUMENTS = "ga_optax/_src/window/arguments.py"
 MICRO_STEP = "ga_optax/_src/window/micro_step.py"
 SCHEDULE = "ga_optax/_src/window/schedule.py"
 LOCAL = "ga_optax/_src/placements/local.py"
+RESIDENCY = "ga_optax/_src/placements/residency.py"
+BATCH_LAYOUT = "ga_optax/_src/scan/batch_layout.py"
 PARTS = "ga_optax/_src/algebra/parts.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -1571,6 +1573,71 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_host_schedule.py::test_the_hosts_word_decides_where_it_disagrees_with_the_counter",
+    ),
+  ),
+  # Reverse mode.
+  Mutant(
+    name="weight_zero_has_no_derivative",
+    guarantee="reverse mode (a micro-batch weight of exactly 0)",
+    defect="the derivative with respect to a weight of 0 is 0, the"
+    " select's, where the large batch's is the micro-batch's term",
+    edits=(
+      Edit(
+        WEIGHTS,
+        "  through_weight = weight_dot * jnp.where(weight == 0, _finite(term), term)\n",
+        "  through_weight = weight_dot * jnp.where(weight == 0, zeros, term)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_reverse_mode.py::test_the_scans_derivative_at_weight_zero_is_the_large_batch",
+    ),
+  ),
+  Mutant(
+    name="host_select_leaves_a_scalar_on_the_device",
+    guarantee="the host's schedule with state in host memory",
+    defect="the host-scheduled close selects a host-kept scalar (Adam's"
+    " count) with a plain select, which JAX types in device memory",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "      lambda new, old: residency.where(predicate, new, old), taken, carry\n",
+        "      lambda new, old: jnp.where(predicate, new, old), taken, carry\n",
+      ),
+    ),
+    tests=(
+      "tests/test_reverse_mode.py::test_a_host_scheduled_close_keeps_a_step_count_in_host_memory",
+    ),
+  ),
+  Mutant(
+    name="reverse_mode_host_memory_not_refused",
+    guarantee="reverse mode (host memory where JAX cannot differentiate it)",
+    defect="jax.grad through state in host memory inside jax.shard_map"
+    " fails inside JAX instead of naming the argument to leave at None",
+    edits=(
+      Edit(
+        RESIDENCY,
+        "    if self.kind is not None and self.refused_in_reverse_mode is not None:\n",
+        "    if False:\n",
+      ),
+    ),
+    tests=(
+      "tests/test_reverse_mode.py::test_state_in_host_memory_is_refused_where_jax_cannot_differentiate_it",
+    ),
+  ),
+  Mutant(
+    name="closed_over_tracer_left_to_jax",
+    guarantee="the scan on Explicit axes (errors name the fix)",
+    defect="a loss closed over a value traced in the step fails with"
+    " JAX's error about a shard_map the user never wrote",
+    edits=(
+      Edit(
+        BATCH_LAYOUT,
+        "    raise ValueError(CLOSED_OVER_TRACER) from error\n",
+        "    raise\n",
+      ),
+    ),
+    tests=(
+      "tests/test_microbatch.py::test_a_value_traced_in_the_step_is_passed_not_closed_over",
     ),
   ),
 )

@@ -181,6 +181,33 @@ def test_the_scans_derivative_at_weight_zero_is_the_large_batch(closed_over):
   assert_derivative_matches(derivative, expected)
 
 
+def test_the_noise_readings_differentiate_on_one_device(form):
+  # Both readings of one window are quadratic in its gradients: scaling the
+  # loss by s scales them by s**2, so their derivative at s = 1 is twice
+  # their value.
+  inputs, targets = linear_data()
+  tx = ga_optax.accumulate(optax.sgd(0.1), MICRO_BATCHES, noise_scale_decay=0.5)
+
+  def readings(scale: jax.Array) -> jax.Array:
+    params = jnp.asarray(INITIAL)
+    state = tx.init(params)
+    for index in range(MICRO_BATCHES):
+      grads = jax.grad(
+        lambda p: scale * mean_squared_error(p, inputs[index], targets[index])
+      )(params)
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    estimate = ga_optax.noise_scale(state)
+    return jnp.stack([estimate.grad_sq, estimate.trace_sigma])
+
+  one = jnp.float32(1.0)
+  values = jax.jit(readings)(one)
+  derivatives = jnp.stack(
+    [jax.jit(jax.grad(lambda s, i=i: readings(s)[i]))(one) for i in range(2)]
+  )
+  assert_derivative_matches(derivatives, 2 * values)
+
+
 # The rate's derivative through two windows of token-weighted SGD.
 
 WINDOWS = make_windows((K, K), DEVICES, ROWS, seed=11)

@@ -28,6 +28,12 @@ host wait for the GPU (a loop or conditional outside a CUDA graph), under
 XLA's defaults or :func:`ga_optax.gpu_compiler_options`.
 Where the plugin is missing, :func:`gpu_conditional_audit` still emulates
 on any backend what XLA:GPU does to a program's conditionals.
+
+On a TPU likewise: :func:`compile_for_tpu` compiles a step with the TPU
+compiler for a slice this machine need not have (a v5e chip by default; it
+needs ``libtpu``), for the same audits. A TPU program moves buffers into the
+chip's on-chip memory and back; :attr:`PathAudit.duplicates` leaves those
+moves out of its copies.
 """
 
 from __future__ import annotations
@@ -77,6 +83,11 @@ from ga_optax._src.audits.host_waits import (
   count_host_waits,
   host_waits,
 )
+from ga_optax._src.audits.tpu_compile import (
+  TpuCompilerUnavailable,
+  compile_for_tpu,
+  tpu_devices,
+)
 from ga_optax._src.audits.tree_difference import (
   PathFilter,
   excluded_paths,
@@ -99,11 +110,13 @@ __all__ = [
   "HloModule",
   "HostWaits",
   "PathAudit",
+  "TpuCompilerUnavailable",
   "WindowCollectives",
   "assert_equivalent_to_large_batch",
   "collectives_in_hlo",
   "compare_with_large_batch",
   "compile_for_gpu",
+  "compile_for_tpu",
   "count_host_waits",
   "dot_shapes",
   "gpu_conditional_audit",
@@ -114,6 +127,7 @@ __all__ = [
   "parse_hlo",
   "path_audit",
   "reachable",
+  "tpu_devices",
   "window_collectives",
   "window_sides",
 ]

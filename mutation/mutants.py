@@ -1640,4 +1640,20 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_microbatch.py::test_a_value_traced_in_the_step_is_passed_not_closed_over",
     ),
   ),
+  Mutant(
+    name="memory_space_moves_read_as_duplicates",
+    guarantee="the audits read TPU programs (copies)",
+    defect="a copy into a TPU's on-chip memory is taken for a duplicate of"
+    " the buffer",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "  return bool(source) and bool(destination) and source != destination\n",
+        "  return False\n",
+      ),
+    ),
+    tests=(
+      "tests/test_tpu_program.py::test_the_audit_tells_memory_space_moves_from_duplicates",
+    ),
+  ),
 )

@@ -66,6 +66,10 @@ EIGHT_DEVICE_PAGES = {"docs/how-to/testing.md"}
 # they need JAX's CUDA plugin, which CI installs; elsewhere they are skipped.
 GPU_COMPILER_PAGES = {"docs/compiled-window.md"}
 
+# Pages whose blocks compile for a TPU (ga_optax.testing.compile_for_tpu):
+# they need libtpu, which CI installs; elsewhere they are skipped.
+TPU_COMPILER_PAGES = {"docs/how-to/tpu.md"}
+
 # Claims that are wrong today, (page, line) -> why. Each is expected to
 # disagree with what the line prints; one that agrees again fails the test,
 # so that its entry is removed.
@@ -415,6 +419,13 @@ def test_page_runs(page, tmp_path, monkeypatch):
       gpu_devices()
     except GpuCompilerUnavailable as error:
       pytest.skip(f"{page} compiles with XLA:GPU: {error}")
+  if page in TPU_COMPILER_PAGES and not os.environ.get("CI"):
+    from ga_optax.testing import TpuCompilerUnavailable, tpu_devices
+
+    try:
+      tpu_devices()
+    except TpuCompilerUnavailable as error:
+      pytest.skip(f"{page} compiles for a TPU: {error}")
   # Pages may write files (checkpoints, plots): into a scratch directory.
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

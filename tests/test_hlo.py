@@ -507,7 +507,8 @@ ENTRY %main (p: f32[256], q: (pred[], f32[8])) -> f32[256] {
 
 def test_path_audit_counts_an_asynchronous_copy_once():
   audit = testing.path_audit(ASYNC_COPY_TEXT, "micro_step")
-  assert audit.copies == [testing.Copy("main", "copy-start", 1024)]
+  assert audit.copies == [testing.Copy("main", "copy-start", 1024, True)]
+  assert audit.duplicates == []  # a move into host memory (S(5))
   # Read once and written once, as a copy: not its tuple's 2 KiB and more.
   assert audit.bytes_moved == 2 * 1024
 

@@ -192,9 +192,9 @@ def test_the_noise_readings_differentiate_on_one_device(form):
     params = jnp.asarray(INITIAL)
     state = tx.init(params)
     for index in range(MICRO_BATCHES):
-      grads = jax.grad(
-        lambda p: scale * mean_squared_error(p, inputs[index], targets[index])
-      )(params)
+      grads = scale * jax.grad(mean_squared_error)(
+        params, inputs[index], targets[index]
+      )
       updates, state = tx.update(grads, state, params)
       params = optax.apply_updates(params, updates)
     estimate = ga_optax.noise_scale(state)

@@ -15,8 +15,10 @@ path and reports what it executes there:
   micro-step, the last when a window closes: ``lax.cond``'s false and true
   branches), and parameters, constants, tuples, bitcasts and the like move
   nothing. A loop of unknown trip count outside the window counts once.
-* copies: ``copy`` instructions and asynchronous ``copy-start`` ones (to
-  or from host memory, say), which a donated state should never need;
+* copies: ``copy`` instructions and asynchronous ``copy-start`` ones,
+  each marked when it moves a buffer between memory spaces (to or from host
+  memory; a TPU's prefetch into its on-chip memory and back) rather than
+  duplicating it in its own: a donated state should never need the latter;
 * collectives, with the bytes each sends;
 * closing work done outside the closing side: instructions compiled from
   the closing side (its scope is in their ``op_name``) that the compiler
@@ -36,6 +38,7 @@ from ga_optax._src.audits.hlo import (
   Collective,
   HloInstruction,
   HloModule,
+  memory_spaces,
   parse_hlo,
   shape_bytes,
   window_side,
@@ -75,11 +78,15 @@ class Copy(NamedTuple):
     computation: the computation that holds it.
     name: the instruction's name.
     bytes: the bytes it writes.
+    between_memory_spaces: whether it moves a buffer from one memory space
+      to another (host memory, a TPU's on-chip memory) instead of
+      duplicating it where it is.
   """
 
   computation: str
   name: str
   bytes: int
+  between_memory_spaces: bool = False
 
 
 class PathAudit(NamedTuple):
@@ -107,6 +114,16 @@ class PathAudit(NamedTuple):
   def copied_bytes(self, at_least: int = 0) -> int:
     """The bytes of the copies of ``at_least`` bytes or more."""
     return sum(copy.bytes for copy in self.copies if copy.bytes >= at_least)
+
+  @property
+  def duplicates(self) -> list[Copy]:
+    """The copies that duplicate a buffer in its own memory space.
+
+    What a donated state should never need. A TPU program moves buffers
+    into its on-chip memory and back as a matter of course (its ``copy``
+    and ``copy-start`` instructions into ``S(1)``); those are left out.
+    """
+    return [copy for copy in self.copies if not copy.between_memory_spaces]
 
 
 def side_runs(side: str, path: Path) -> bool:
@@ -263,7 +280,14 @@ def path_audit(
       moved = read + written
       total += trips * moved
       if opcode in _COPY_OPCODES:
-        copies.append(Copy(computation, instruction.name, written))
+        copies.append(
+          Copy(
+            computation,
+            instruction.name,
+            written,
+            _between_memory_spaces(instruction, shapes),
+          )
+        )
       if opcode in COLLECTIVE_OPCODES:
         operand_bytes = sum(
           shape_bytes(shapes.get(operand, ""))
@@ -282,6 +306,22 @@ def path_audit(
 
   walk(module.entry, 1, False)
   return PathAudit(path, total, copies, collectives, misplaced)
+
+
+def _between_memory_spaces(
+  instruction: HloInstruction, shapes: dict[str, str]
+) -> bool:
+  """Whether a copy writes its buffer into another memory space.
+
+  A ``copy-start``'s result is a tuple of the destination, the source and a
+  context; a ``copy``'s source is its operand.
+  """
+  if instruction.opcode == "copy-start":
+    spaces = memory_spaces(instruction.shape)
+    return len(spaces) >= 2 and spaces[0] != spaces[1]
+  source = memory_spaces(shapes.get(instruction.operands[0], ""))
+  destination = memory_spaces(instruction.shape)
+  return bool(source) and bool(destination) and source != destination
 
 
 def _refuse_without_a_window(module: HloModule) -> None:

@@ -19,19 +19,13 @@ the plugin fails to initialise.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.experimental import topologies
-from jax.sharding import (
-  Mesh,
-  NamedSharding,
-  PartitionSpec,
-  SingleDeviceSharding,
-)
+
+from ga_optax._src.audits import compile_only
 
 # The device description XLA:GPU compiles for: an H100 SXM (compute
 # capability 9.0, 132 SMs, 80 GB of HBM3 at 3.35 TB/s), as its CUDA driver
@@ -179,69 +173,8 @@ def compile_for_gpu(
     >>> testing.path_audit(compiled, "micro_step").copies  # doctest: +SKIP
     []
   """
-  if compiler_options is not None and not isinstance(compiler_options, Mapping):
-    raise TypeError(
-      "compiler_options must be a mapping of XLA option names to values, as"
-      " for jax.jit (say ga_optax.gpu_compiler_options()), got"
-      f" {type(compiler_options).__name__}."
-    )
+  compile_only.check_compiler_options(compiler_options)
   devices = gpu_devices(num_devices, target=target)
-  mesh = _gpu_mesh(args, devices)
-
-  def abstract(leaf: Any) -> Any:
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-      return leaf
-    sharding = (
-      SingleDeviceSharding(devices[0])
-      if mesh is None
-      else NamedSharding(mesh, _spec_of(leaf))
-    )
-    return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
-
-  abstract_args = jax.tree.map(abstract, args)
-  options = None if compiler_options is None else dict(compiler_options)
-  jitted = jax.jit(fun, donate_argnums=donate_argnums, compiler_options=options)
-  if mesh is None:
-    return jitted.trace(*abstract_args).lower().compile()
-  with jax.set_mesh(mesh):
-    return jitted.trace(*abstract_args).lower().compile()
-
-
-def _spec_of(leaf: Any) -> PartitionSpec:
-  sharding = getattr(leaf, "sharding", None)
-  if isinstance(sharding, NamedSharding):
-    return sharding.spec
-  return PartitionSpec()
-
-
-def _gpu_mesh(args: Any, devices: list[Any]) -> Mesh | None:
-  """A mesh of ``devices`` like the one ``args`` are placed on, or None.
-
-  None on one device. With several, every ``NamedSharding`` among the
-  arguments must be on a mesh of the same axes; with none, the devices
-  form one axis, ``"data"``.
-  """
-  if len(devices) == 1:
-    return None
-  meshes = {
-    (leaf.sharding.mesh.axis_names, leaf.sharding.mesh.axis_sizes,
-     leaf.sharding.mesh.axis_types)
-    for leaf in jax.tree.leaves(args)
-    if isinstance(getattr(leaf, "sharding", None), NamedSharding)
-  }  # fmt: skip
-  if len(meshes) > 1:
-    raise ValueError(
-      "the arguments are placed on meshes of different axes"
-      f" ({sorted(str(mesh[:2]) for mesh in meshes)}); place them all on one"
-      " mesh."
-    )
-  if not meshes:
-    return Mesh(np.asarray(devices), ("data",))
-  names, sizes, types = meshes.pop()
-  if math.prod(sizes) != len(devices):
-    raise ValueError(
-      f"the arguments are placed on a mesh of {math.prod(sizes)} devices"
-      f" {dict(zip(names, sizes, strict=True))}, but num_devices is"
-      f" {len(devices)}; pass num_devices={math.prod(sizes)}."
-    )
-  return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
+  return compile_only.compile_on(
+    devices, fun, args, donate_argnums, compiler_options
+  )

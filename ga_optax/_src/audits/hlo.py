@@ -115,6 +115,27 @@ class Collective(NamedTuple):
   operand_bytes: int
 
 
+# An array shape with its layout, ``f32[8,128]{1,0:T(8,128)S(1)}``: the
+# memory space is the layout's ``S(n)``, 0 (the device's main memory) when
+# absent.
+_ARRAY_WITH_LAYOUT = re.compile(r"\b[a-z][a-z0-9]*\[[0-9,]*\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+
+
+def memory_spaces(shape: str) -> list[int]:
+  """The memory space of each array of an HLO shape string, in order.
+
+  0 is the device's main memory (HBM); a TPU program also places buffers in
+  its on-chip memory (``S(1)``), and a GPU or TPU program in host memory
+  (``S(5)``).
+  """
+  spaces = []
+  for match in _ARRAY_WITH_LAYOUT.finditer(shape):
+    space = _MEMORY_SPACE.search(match.group(1) or "")
+    spaces.append(int(space.group(1)) if space else 0)
+  return spaces
+
+
 def shape_bytes(shape: str) -> int:
   """Bytes of an HLO shape string; a tuple shape counts all its arrays."""
   total = 0

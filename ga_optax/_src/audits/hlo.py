@@ -126,7 +126,7 @@ def memory_spaces(shape: str) -> list[int]:
   """The memory space of each array of an HLO shape string, in order.
 
   0 is the device's main memory (HBM); a TPU program also places buffers in
-  its on-chip memory (``S(1)``), and a GPU or TPU program in host memory
+  its on-chip memory (``S(1)``), and a GPU program in host memory
   (``S(5)``).
   """
   spaces = []

@@ -227,13 +227,14 @@ def expected_derivative() -> jax.Array:
   return jax.grad(large_batch_final_loss)(jnp.asarray(LEARNING_RATE))
 
 
-@pytest.mark.devices(DEVICES)
-@pytest.mark.parametrize(
-  "options",
-  [{}, {"inner_state_axes": "data"}],
-  ids=["unreduced", "zero1"],
-)
-def test_a_plain_jit_window_has_the_large_batch_derivative(form, options):
+def plain_jit_derivative(
+  make: Callable[[Any], optax.GradientTransformation], learning_rate: float
+) -> jax.Array:
+  """d/d(rate) of the loss after WINDOWS of ``make(rate)``, under plain jit.
+
+  Token-weighted partial sums (``unreduced_value_and_grad``) on an Explicit
+  mesh of DEVICES, the whole step differentiated under ``jax.jit``.
+  """
   mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
   value_and_grad = ga_optax.unreduced_value_and_grad(
     token_mean_loss, weight_fn=tokens
@@ -245,10 +246,8 @@ def test_a_plain_jit_window_has_the_large_batch_derivative(form, options):
     )
     initial = jax.device_put(init_params(), P())
 
-    def final_loss(learning_rate: jax.Array) -> jax.Array:
-      tx = ga_optax.accumulate(
-        optax.sgd(learning_rate), K, unreduced_axes="data", **options
-      )
+    def final_loss(rate: jax.Array) -> jax.Array:
+      tx = make(rate)
       params, state = initial, tx.init(initial)
       for batch in batches:
         _, grads = value_and_grad(params, batch)
@@ -256,7 +255,22 @@ def test_a_plain_jit_window_has_the_large_batch_derivative(form, options):
         params = optax.apply_updates(params, updates)
       return token_mean_loss(params, every_row)
 
-    derivative = jax.jit(jax.grad(final_loss))(jnp.float32(LEARNING_RATE))
+    return jax.jit(jax.grad(final_loss))(jnp.float32(learning_rate))
+
+
+@pytest.mark.devices(DEVICES)
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"inner_state_axes": "data"}],
+  ids=["unreduced", "zero1"],
+)
+def test_a_plain_jit_window_has_the_large_batch_derivative(form, options):
+  def make(rate: jax.Array) -> optax.GradientTransformation:
+    return ga_optax.accumulate(
+      optax.sgd(rate), K, unreduced_axes="data", **options
+    )
+
+  derivative = plain_jit_derivative(make, LEARNING_RATE)
   assert_derivative_matches(derivative, expected_derivative())
 
 
@@ -446,33 +460,16 @@ def test_a_host_scheduled_close_keeps_a_step_count_in_host_memory():
   ids=["unreduced", "zero1"],
 )
 def test_a_plain_jit_window_with_its_optimizer_state_in_host_memory(options):
-  mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
-  value_and_grad = ga_optax.unreduced_value_and_grad(
-    token_mean_loss, weight_fn=tokens
-  )
-  with jax.set_mesh(mesh):
-    batches = [jax.device_put(b, P("data")) for b, _ in micro_steps(WINDOWS, K)]
-    every_row = jax.device_put(
-      whole([b for w in WINDOWS for b in w]), P("data")
+  def make(rate: jax.Array) -> optax.GradientTransformation:
+    return ga_optax.accumulate(
+      optax.adam(rate),
+      K,
+      unreduced_axes="data",
+      inner_state_memory_kind="pinned_host",
+      **options,
     )
-    initial = jax.device_put(init_params(), P())
 
-    def final_loss(learning_rate: jax.Array) -> jax.Array:
-      tx = ga_optax.accumulate(
-        optax.adam(learning_rate),
-        K,
-        unreduced_axes="data",
-        inner_state_memory_kind="pinned_host",
-        **options,
-      )
-      params, state = initial, tx.init(initial)
-      for batch in batches:
-        _, grads = value_and_grad(params, batch)
-        updates, state = tx.update(grads, state, params, weight=tokens(batch))
-        params = optax.apply_updates(params, updates)
-      return token_mean_loss(params, every_row)
-
-    derivative = jax.jit(jax.grad(final_loss))(jnp.float32(1e-2))
+  derivative = plain_jit_derivative(make, 1e-2)
   expected = jax.grad(lambda lr: host_large_batch(optax.adam, lr, WINDOWS))(
     jnp.float32(1e-2)
   )

@@ -1318,6 +1318,23 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_planner.py::test_micro_step_bytes_is_the_memory_analysis_computed_by_hand",
     ),
   ),
+  Mutant(
+    name="planner_ignores_the_device",
+    guarantee="memory planner",
+    defect="micro_step_bytes compiles for the default backend whatever"
+    " device= names",
+    edits=(
+      Edit(
+        PLANNER,
+        "  abstract_params = residency.abstract_in(_abstract(params), None,"
+        " device)\n",
+        "  device = None\n"
+        "  abstract_params = residency.abstract_in(_abstract(params), None,"
+        " device)\n",
+      ),
+    ),
+    tests=("tests/test_tpu_program.py::test_the_planner_plans_for_a_tpu_chip",),
+  ),
   # The HLO audits of ga_optax.testing.
   Mutant(
     name="async_collectives_unseen",

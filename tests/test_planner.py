@@ -162,6 +162,11 @@ def test_bad_batches_and_sizes_raise():
     ga_optax.plan_microbatch(_loss_fn, _params(), {"x": jnp.ones(())}, budget)
   with pytest.raises(ValueError, match="micro_batch_size"):
     ga_optax.micro_step_bytes(_loss_fn, _params(), _batch(), 0)
+  # A device is a jax.Device (a compile-only TPU chip, say), not a name.
+  with pytest.raises(TypeError, match="device"):
+    ga_optax.plan_microbatch(
+      _loss_fn, _params(), _batch(), budget, device="tpu"
+    )
 
 
 def _by_hand(step, donate, *args) -> tuple[int, int]:

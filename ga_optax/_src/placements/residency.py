@@ -319,16 +319,19 @@ def replicated_over(tree: Any) -> jax.sharding.Sharding | None:
   return None
 
 
-def abstract_in(tree: Any, kind: str | None) -> Any:
-  """Shapes and dtypes of ``tree`` on the first device, in memory ``kind``.
+def abstract_in(tree: Any, kind: str | None, device: Any = None) -> Any:
+  """Shapes and dtypes of ``tree`` on ``device``, in memory ``kind``.
 
-  For compiling a step ahead of time on abstract state kept in ``kind``;
-  None leaves ``tree`` as it is.
+  For compiling a step ahead of time on abstract state kept in ``kind``:
+  on ``device`` (a compile-only TPU chip, say), or else on the first
+  device. With neither a kind nor a device, ``tree`` is left as it is.
   """
-  if kind is None:
+  if kind is None and device is None:
     return tree
   sharding = _named(
-    jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    jax.sharding.SingleDeviceSharding(
+      jax.devices()[0] if device is None else device, memory_kind=kind
+    )
   )
   return jax.tree.map(
     lambda leaf: jax.ShapeDtypeStruct(

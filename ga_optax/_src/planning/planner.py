@@ -88,6 +88,7 @@ def micro_step_bytes(
   has_aux: bool = False,
   accumulator_memory_kind: str | None = None,
   inner_state_memory_kind: str | None = None,
+  device: jax.Device | None = None,
 ) -> int:
   """Device bytes one accumulation micro-step needs, from compilation alone.
 
@@ -99,7 +100,11 @@ def micro_step_bytes(
   not reuse an argument's buffer, plus temporaries, in device memory only:
   state kept in host memory (``accumulator_memory_kind``,
   ``inner_state_memory_kind``) does not count, the device copy a micro-step
-  makes of it to compute on does.
+  makes of it to compute on does. The micro-step is compiled for ``device``
+  when one is given: a compile-only TPU chip or GPU
+  (:func:`ga_optax.testing.tpu_devices`,
+  :func:`ga_optax.testing.gpu_devices`) gives the bytes the program of that
+  platform needs, from a machine without one.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a scalar (or
@@ -114,12 +119,14 @@ def micro_step_bytes(
       for :func:`ga_optax.accumulate` (None: device memory).
     inner_state_memory_kind: the memory kind ``optimizer``'s state is kept
       in; needs an ``optimizer``.
+    device: the device to compile for (a ``jax.Device``), or None for the
+      default backend's first device.
 
   Returns:
     The number of bytes, an int.
 
   Raises:
-    TypeError, ValueError: a bad size, batch or memory kind (as
+    TypeError, ValueError: a bad size, batch, device or memory kind (as
       :func:`ga_optax.accumulate` checks it), or ``inner_state_memory_kind``
       without an ``optimizer``.
     RuntimeError: the backend gives no compiled memory analysis.
@@ -145,10 +152,16 @@ def micro_step_bytes(
       " of an optimizer, but no optimizer was given: pass optimizer=... or"
       " leave inner_state_memory_kind at None."
     )
-  abstract_params = _abstract(params)
+  if device is not None and not isinstance(device, jax.Device):
+    raise TypeError(
+      "device must be None or a jax.Device (a compile-only TPU chip from"
+      " ga_optax.testing.tpu_devices(), say), got"
+      f" {type(device).__name__}."
+    )
+  abstract_params = residency.abstract_in(_abstract(params), None, device)
   gradient = _gradient_fn(loss_fn, has_aux)
   if optimizer is None:
-    step = _adding_step(gradient, abstract_params, accumulator_kind)
+    step = _adding_step(gradient, abstract_params, accumulator_kind, device)
   else:
     step = _accumulating_step(
       gradient,
@@ -156,8 +169,11 @@ def micro_step_bytes(
       optimizer,
       accumulator_kind,
       inner_state_memory_kind,
+      device,
     )
-  batch = _batch_of_size(example_batch, micro_batch_size)
+  batch = residency.abstract_in(
+    _batch_of_size(example_batch, micro_batch_size), None, device
+  )
   compiled = (
     jax.jit(step.fn, donate_argnums=step.donate_argnums)
     .lower(abstract_params, step.state, batch)
@@ -195,6 +211,7 @@ def _adding_step(
   gradient: Callable[..., Any],
   abstract_params: Any,
   accumulator_kind: str | None,
+  device: jax.Device | None,
 ) -> _MicroStep:
   """Gradient accumulation alone: an add into a float32 accumulator."""
 
@@ -212,6 +229,7 @@ def _adding_step(
       abstract_params,
     ),
     accumulator_kind,
+    device,
   )
   return _MicroStep(step, accumulator, donate_argnums=(1,))
 
@@ -222,6 +240,7 @@ def _accumulating_step(
   optimizer: optax.GradientTransformation,
   accumulator_kind: str | None,
   inner_state_kind: str | None,
+  device: jax.Device | None,
 ) -> _MicroStep:
   """``accumulate(optimizer, k).update`` and ``optax.apply_updates``."""
   # k does not change what a micro-step holds; 2 keeps both branches.
@@ -237,9 +256,13 @@ def _accumulating_step(
     return optax.apply_updates(params, updates), state
 
   state = jax.eval_shape(tx.init, abstract_params)
-  state = state._replace(
-    accumulator=residency.abstract_in(state.accumulator, accumulator_kind),
-    inner_state=residency.abstract_in(state.inner_state, inner_state_kind),
+  state = residency.abstract_in(state, None, device)._replace(
+    accumulator=residency.abstract_in(
+      state.accumulator, accumulator_kind, device
+    ),
+    inner_state=residency.abstract_in(
+      state.inner_state, inner_state_kind, device
+    ),
   )
   return _MicroStep(step, state, donate_argnums=(0, 1))
 
@@ -256,6 +279,7 @@ def plan_microbatch(
   has_aux: bool = False,
   accumulator_memory_kind: str | None = None,
   inner_state_memory_kind: str | None = None,
+  device: jax.Device | None = None,
 ) -> MicrobatchPlan:
   """Finds the largest micro-batch that fits a memory budget, and its k.
 
@@ -293,12 +317,16 @@ def plan_microbatch(
       memory.
     inner_state_memory_kind: the memory kind it will keep ``optimizer``'s
       state in; needs an ``optimizer``.
+    device: the device to plan for, as for :func:`micro_step_bytes`: a
+      compile-only TPU chip plans a TPU's micro-batch from a machine
+      without one (see docs/how-to/tpu.md).
 
   Returns:
     A :class:`MicrobatchPlan`.
 
   Raises:
-    TypeError: a size or the budget is not an int.
+    TypeError: a size or the budget is not an int, or ``device`` is not a
+      ``jax.Device``.
     ValueError: a size or the budget is below 1, ``example_batch`` has no
       common leading axis, not even a micro-batch of 1 fits the budget, or a
       memory kind is not one the device offers.
@@ -347,6 +375,7 @@ def plan_microbatch(
         has_aux=has_aux,
         accumulator_memory_kind=accumulator_memory_kind,
         inner_state_memory_kind=inner_state_memory_kind,
+        device=device,
       )
     return measured[size]
 

@@ -4,8 +4,9 @@ Compiles (never runs) one train step of a deep tanh MLP for a compile-only
 TPU chip (``ga_optax.testing.compile_for_tpu``: ``libtpu`` is needed, a TPU
 is not), params and state donated, and reads each program's peak memory
 (``memory_analysis().peak_memory_in_bytes``): plain Adam, ``optax.MultiSteps``
-and ``ga_optax.accumulate``, the device deciding and the host
-(``closing=False`` and ``closing=True``). Then ``ga_optax.plan_microbatch``,
+``ga_optax.accumulate``, the device deciding and the host (``closing=False``
+and ``closing=True``), and ``ga_optax.accumulate_and_apply``, the device
+deciding. Then ``ga_optax.plan_microbatch``,
 compiling for the same chip (``device=``), finds the largest micro-batch of
 ``accumulate(adam)`` whose micro-step fits a share of the chip's memory, and
 the k that reaches the global batch. These are compiler figures, never
@@ -68,27 +69,40 @@ def peaks(
   params, loss_fn = mlp(width, depth)
   batch = {"x": jax.ShapeDtypeStruct((micro_batch, width), jnp.float32)}
   adam = optax.adam(1e-3)
-  contenders = {
-    "plain Adam": (adam, {}),
-    "optax.MultiSteps": (optax.MultiSteps(adam, k), {}),
-    "accumulate, the device decides": (ga_optax.accumulate(adam, k), {}),
-    "accumulate, closing=False": (
-      ga_optax.accumulate(adam, k),
-      {"closing": False},
-    ),
-    "accumulate, closing=True": (
-      ga_optax.accumulate(adam, k),
-      {"closing": True},
-    ),
-  }
-  figures = {}
-  for name, (tx, options) in contenders.items():
 
-    def step(params, state, batch, tx=tx, options=options):
+  def train_step(tx, **options):
+    def step(params, state, batch):
       grads = jax.grad(loss_fn)(params, batch)
       updates, state = tx.update(grads, state, params, **options)
       return optax.apply_updates(params, updates), state
 
+    return step
+
+  def fused_step(tx):
+    def step(params, state, batch):
+      return tx.apply(params, jax.grad(loss_fn)(params, batch), state)
+
+    return step
+
+  accumulate = ga_optax.accumulate(adam, k)
+  fused = ga_optax.accumulate_and_apply(adam, k)
+  multi_steps = optax.MultiSteps(adam, k)
+  contenders = {
+    "plain Adam": (train_step(adam), adam),
+    "optax.MultiSteps": (train_step(multi_steps), multi_steps),
+    "accumulate, the device decides": (train_step(accumulate), accumulate),
+    "accumulate, closing=False": (
+      train_step(accumulate, closing=False),
+      accumulate,
+    ),
+    "accumulate, closing=True": (
+      train_step(accumulate, closing=True),
+      accumulate,
+    ),
+    "accumulate_and_apply, the device": (fused_step(fused), fused),
+  }
+  figures = {}
+  for name, (step, tx) in contenders.items():
     program = testing.compile_for_tpu(
       step,
       params,

@@ -1333,7 +1333,9 @@ MUTANTS: tuple[Mutant, ...] = (
         " device)\n",
       ),
     ),
-    tests=("tests/test_tpu_program.py::test_the_planner_plans_for_a_tpu_chip",),
+    tests=(
+      "tests/test_tpu_program.py::test_the_planner_compiles_for_a_tpu_chip",
+    ),
   ),
   # The HLO audits of ga_optax.testing.
   Mutant(

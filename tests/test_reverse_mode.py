@@ -7,14 +7,15 @@ test names the defect it guards: a traced micro-batch weight of exactly 0
 ``jax.shard_map``, and state kept in host memory (on one device under each
 schedule, and the optimizer's state under a plain ``jax.jit`` over a mesh;
 the placements JAX cannot differentiate it under are refused). Differentiated,
-either form traces the derivative rule's conditional; the tests that guard
-the window's own defects run in both forms all the same
-(tests/test_window_form.py), the host-memory ones added after them once.
+either form traces the derivative rule's conditional (tests/test_window_form.py
+holds both forms' derivatives side by side), so every test here runs once, in
+the run's form: CI's run on the newest jax pins the loops, the other runs the
+conditional.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,17 +36,9 @@ from token_windows import (
 )
 
 import ga_optax
-from ga_optax._src.window import window_form
 
 DEVICES, ROWS, K = 8, 2, 3
 LEARNING_RATE = 0.3
-
-
-@pytest.fixture(params=window_form.FORMS)
-def form(request, monkeypatch) -> Iterator[str]:
-  """Each form in turn, pinned for the steps the test traces."""
-  monkeypatch.setenv(window_form.VARIABLE, request.param)
-  yield request.param
 
 
 def assert_derivative_matches(derivative: Any, expected: Any) -> None:
@@ -111,7 +104,7 @@ def weighted_large_batch(weights: jax.Array) -> jax.Array:
 
 
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_the_derivative_at_weight_zero_is_the_large_batch(form, jitted):
+def test_the_derivative_at_weight_zero_is_the_large_batch(jitted):
   derivative_of = jax.grad(weighted_window)
   if jitted:
     derivative_of = jax.jit(derivative_of)
@@ -121,7 +114,7 @@ def test_the_derivative_at_weight_zero_is_the_large_batch(form, jitted):
   assert_derivative_matches(derivative, expected)
 
 
-def test_a_dropped_nan_micro_batch_leaves_finite_derivatives(form):
+def test_a_dropped_nan_micro_batch_leaves_finite_derivatives():
   # Weight 0 drops a micro-batch whose gradient is NaN; its weight's
   # derivative is 0, as its contribution is, and the others' are the large
   # batch's without it.
@@ -181,7 +174,7 @@ def test_the_scans_derivative_at_weight_zero_is_the_large_batch(closed_over):
   assert_derivative_matches(derivative, expected)
 
 
-def test_the_noise_readings_differentiate_on_one_device(form):
+def test_the_noise_readings_differentiate_on_one_device():
   # Both readings of one window are quadratic in its gradients: scaling the
   # loss by s scales them by s**2, so their derivative at s = 1 is twice
   # their value.
@@ -264,7 +257,7 @@ def plain_jit_derivative(
   [{}, {"inner_state_axes": "data"}],
   ids=["unreduced", "zero1"],
 )
-def test_a_plain_jit_window_has_the_large_batch_derivative(form, options):
+def test_a_plain_jit_window_has_the_large_batch_derivative(options):
   def make(rate: jax.Array) -> optax.GradientTransformation:
     return ga_optax.accumulate(
       optax.sgd(rate), K, unreduced_axes="data", **options
@@ -275,7 +268,7 @@ def test_a_plain_jit_window_has_the_large_batch_derivative(form, options):
 
 
 @pytest.mark.devices(DEVICES)
-def test_a_shard_map_window_has_the_large_batch_derivative(form):
+def test_a_shard_map_window_has_the_large_batch_derivative():
   # Jitted only: shard_map stages its body out as a jaxpr eagerly too, so an
   # eager jax.grad traces the same window (at 200 s a form on 2 CPU cores).
   mesh = jax.make_mesh((DEVICES,), ("data",))
@@ -365,7 +358,7 @@ def host_large_batch(
 @pytest.mark.parametrize(
   "kinds", HOST_KINDS, ids=["accumulator", "inner_state", "both"]
 )
-def test_state_in_host_memory_has_the_large_batch_derivative(form, kinds):
+def test_state_in_host_memory_has_the_large_batch_derivative(kinds):
   # Adam: a state with an integer count and moments, all kept on the host.
   def make(learning_rate: Any) -> optax.GradientTransformation:
     return optax.adam(learning_rate)
@@ -382,8 +375,7 @@ def test_state_in_host_memory_has_the_large_batch_derivative(form, kinds):
 # host the third. JAX makes the zeros of an unperturbed tangent in device
 # memory whatever the value's kind, and types a select of scalars in device
 # memory: the moves and the host's selects must not take either for the
-# state's own kind. Differentiated, both forms trace the derivative rule's
-# conditional, so the tests below run once, in the platform's form.
+# state's own kind.
 
 SWITCHING_WINDOWS = make_windows((2, 2, 2), 1, 8, seed=13)
 SWITCHING = (False, True, None, None, False, True)

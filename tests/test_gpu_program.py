@@ -57,8 +57,8 @@ import ga_optax
 from benchmarks import compiled_steps
 from benchmarks import workloads as workloads_lib
 from ga_optax import testing
+from ga_optax._src import scopes
 from ga_optax._src.audits import hlo
-from ga_optax._src.window import run_once
 
 MiB = 2**20
 # Params of 1 MiB and more: a copy of one would be seen.
@@ -441,9 +441,9 @@ def test_without_collectives_the_closing_side_stays_on_the_host():
   # 0.10.2's XLA:GPU also leaves the branch beside it on the host (the one
   # that empties a window without weight, no collective in it).
   closing_loops = [
-    n for n, side in sides.items() if side == run_once.CLOSE_WINDOW
+    n for n, side in sides.items() if side == scopes.CLOSE_WINDOW
   ]
-  emptying = [n for n, side in sides.items() if side == run_once.EMPTY_WINDOW]
+  emptying = [n for n, side in sides.items() if side == scopes.EMPTY_WINDOW]
   assert len(closing_loops) == 2 and len(emptying) <= 1, sides
   # A micro-step skips the closing side; a closing step runs it and the
   # step (two waits each) and skips the emptying branch.
@@ -550,7 +550,7 @@ def test_a_conditional_window_copies_on_every_micro_step():
     )
 
     def close(accumulator, inner_state):
-      with jax.named_scope(run_once.CLOSE_WINDOW):
+      with jax.named_scope(scopes.CLOSE_WINDOW):
         return optimizer.update(accumulator, inner_state, params)
 
     updates, inner_state = jax.lax.cond(
@@ -583,7 +583,7 @@ def test_a_window_turned_into_selects_runs_the_optimizer_every_time():
   def step(params, inner_state, batch):
     grads = jax.grad(loss_fn)(params, batch)
     closes = batch["x"][0, 0] > 0
-    with jax.named_scope(run_once.CLOSE_WINDOW):
+    with jax.named_scope(scopes.CLOSE_WINDOW):
       updates, stepped = optimizer.update(grads, inner_state, params)
     updates = jax.tree.map(
       lambda update: jnp.where(closes, update, 0.0), updates

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax import testing
-from ga_optax._src.window import run_once
+from ga_optax._src import scopes
 
 # Skipped where libtpu is missing, except in CI, which installs it: there
 # the tests fail with TpuCompilerUnavailable and the command that installs it.
@@ -227,7 +227,7 @@ def test_a_window_turned_into_selects_runs_the_optimizer_on_the_micro_step():
   def step(params, inner_state, inputs):
     grads = jax.grad(mlp_loss)(params, inputs)
     closes = inputs[0, 0] > 0
-    with jax.named_scope(run_once.CLOSE_WINDOW):
+    with jax.named_scope(scopes.CLOSE_WINDOW):
       updates, stepped = adam.update(grads, inner_state, params)
     updates = jax.tree.map(
       lambda update: jnp.where(closes, update, 0.0), updates

@@ -3,7 +3,7 @@
 An accumulation step has two paths through its program: the micro-step that
 keeps the window open, and the call that closes it. Each side of ga_optax's
 window is a loop of at most one trip named by its scope
-(:mod:`ga_optax._src.window.run_once`); a path runs one of them once and the
+(:mod:`ga_optax._src.scopes`); a path runs one of them once and the
 other not at all. :func:`path_audit` walks a compiled program's text along one
 path and reports what it executes there:
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+from ga_optax._src import scopes
 from ga_optax._src.audits.hlo import (
   COLLECTIVE_OPCODES,
   Collective,
@@ -43,7 +44,6 @@ from ga_optax._src.audits.hlo import (
   shape_bytes,
   window_side,
 )
-from ga_optax._src.window import run_once
 
 Path = Literal["micro_step", "closing"]
 PATHS: tuple[Path, ...] = ("micro_step", "closing")
@@ -133,9 +133,9 @@ def side_runs(side: str, path: Path) -> bool:
   window closed without weight runs on neither path (a micro-step keeps the
   window open, and a closing step that steps the optimizer has weight).
   """
-  if side == run_once.EMPTY_WINDOW:
+  if side == scopes.EMPTY_WINDOW:
     return False
-  return (side == run_once.CLOSE_WINDOW) == (path == "closing")
+  return (side == scopes.CLOSE_WINDOW) == (path == "closing")
 
 
 def trips_on_path(instruction: HloInstruction, path: Path) -> int:
@@ -170,7 +170,7 @@ def _from_closing_side(module: HloModule, instruction: HloInstruction) -> bool:
   under a root from elsewhere (a select that keeps its result), so the
   fused instructions are read too.
   """
-  if run_once.CLOSE_WINDOW in instruction.op_name.split("/"):
+  if scopes.CLOSE_WINDOW in instruction.op_name.split("/"):
     return True
   if instruction.opcode != "fusion":
     return False
@@ -263,7 +263,7 @@ def path_audit(
       opcode = instruction.opcode
       if opcode in _CONTROL_FLOW:
         runs = trips_on_path(instruction, path) if opcode == "while" else 1
-        closing_side = window_side(instruction) == run_once.CLOSE_WINDOW
+        closing_side = window_side(instruction) == scopes.CLOSE_WINDOW
         for callee in branches_taken(instruction, path):
           walk(callee, trips * runs, in_closing_side or closing_side)
         continue
@@ -329,7 +329,7 @@ def _refuse_without_a_window(module: HloModule) -> None:
   if not _holds_a_window(module):
     raise ValueError(
       "program holds no ga_optax window (no instruction compiled under"
-      f" {run_once.KEEP_OPEN!r} or {run_once.CLOSE_WINDOW!r}), so it has no"
+      f" {scopes.KEEP_OPEN!r} or {scopes.CLOSE_WINDOW!r}), so it has no"
       " micro-step and closing paths: every call runs the whole program,"
       " optimizer included. Audit the step built on ga_optax.accumulate (or"
       " accumulate_and_apply) instead; to compare it with a step without a"
@@ -345,9 +345,9 @@ def _holds_a_window(module: HloModule) -> bool:
   The sides' loops, or what the compiler made of them: their work hoisted
   out, or selects where their conditional was.
   """
-  scopes = set(run_once.SIDES)
+  sides = set(scopes.SIDES)
   return any(
-    not scopes.isdisjoint(instruction.op_name.split("/"))
+    not sides.isdisjoint(instruction.op_name.split("/"))
     for instructions in module.computations.values()
     for instruction in instructions
   )
@@ -365,14 +365,14 @@ def window_sides(program: Any) -> dict[str, int]:
     without weight. A host-scheduled step holds none.
   """
   module = as_module(program)
-  found = dict.fromkeys(run_once.SIDES, 0)
+  found = dict.fromkeys(scopes.SIDES, 0)
   for instructions in module.computations.values():
     for instruction in instructions:
       side = window_side(instruction)
       if side is not None:
         found[side] += 1
   return {
-    "keep_open": found[run_once.KEEP_OPEN],
-    "close_window": found[run_once.CLOSE_WINDOW],
-    "empty_window": found[run_once.EMPTY_WINDOW],
+    "keep_open": found[scopes.KEEP_OPEN],
+    "close_window": found[scopes.CLOSE_WINDOW],
+    "empty_window": found[scopes.EMPTY_WINDOW],
   }

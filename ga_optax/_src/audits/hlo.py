@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from ga_optax._src.window import run_once
+from ga_optax._src import scopes
 
 # Opcodes that move data between devices. Asynchronous collectives appear as a
 # ``-start``/``-done`` pair; only the ``-start`` half is counted.
@@ -330,7 +330,7 @@ def window_side(instruction: HloInstruction) -> str | None:
 
   Each side of ga_optax's window is a loop of at most one trip (a
   conditional on the CPU), a branch rather than a loop, named by a scope of
-  :mod:`ga_optax._src.window.run_once`: its ``op_name`` ends in that scope and
+  :mod:`ga_optax._src.scopes`: its ``op_name`` ends in that scope and
   the op, possibly through the platform choice (``cond/branch_N_fun``) and
   scopes JAX adds around a call (``eval_jaxpr``). Loops and conditionals
   inside a side's body are not sides.
@@ -338,20 +338,18 @@ def window_side(instruction: HloInstruction) -> str | None:
   op = _SIDE_OPS.get(instruction.opcode)
   if op is None:
     return None
-  scopes = instruction.op_name.split("/")
-  found = [
-    index for index, scope in enumerate(scopes) if scope in run_once.SIDES
-  ]
+  names = instruction.op_name.split("/")
+  found = [index for index, scope in enumerate(names) if scope in scopes.SIDES]
   if not found:
     return None
   after = [
-    scope for scope in scopes[found[-1] + 1 :] if scope not in _CALL_SCOPES
+    scope for scope in names[found[-1] + 1 :] if scope not in _CALL_SCOPES
   ]
   through_choice = (
     len(after) == 3 and after[0] == "cond" and after[1].startswith("branch_")
   )
   if after == [op] or (through_choice and after[-1] == op):
-    return scopes[found[-1]]
+    return names[found[-1]]
   return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from ga_optax._src import scopes
 from ga_optax._src.audits.hlo import (
   Collective,
   HloModule,
@@ -19,7 +20,6 @@ from ga_optax._src.audits.hlo import (
   reachable,
   window_side,
 )
-from ga_optax._src.window import run_once
 
 _LAYOUT = re.compile(r"\{[^{}]*\}")
 # Instructions that multiply a batch of rows by weights.
@@ -83,7 +83,7 @@ def window_collectives(hlo_text: str) -> WindowCollectives:
     instruction.callees[-1]
     for instructions in module.computations.values()
     for instruction in instructions
-    if window_side(instruction) == run_once.CLOSE_WINDOW
+    if window_side(instruction) == scopes.CLOSE_WINDOW
   ]
   if closing_bodies:
     # The outermost one: a window whose weight is known only after its

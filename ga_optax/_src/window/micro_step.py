@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ga_optax._src import validation
+from ga_optax._src import scopes, validation
 from ga_optax._src.algebra import fp8, parts, weights
 from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.placements import residency
-from ga_optax._src.window import run_once
 from ga_optax._src.window import schedule as schedule_lib
 from ga_optax._src.window.state import AccumulateState, check_state
 from ga_optax._src.window.window import Admitted, Decision, Window
@@ -199,7 +198,7 @@ class MicroStep:
     """The gradient added, outside any branch: the accumulator, the noise."""
     # None where the noise scale is not measured: Unmeasured adds nothing.
     noise: Any = self.state.noise_scale
-    with jax.named_scope(run_once.KEEP_OPEN):
+    with jax.named_scope(scopes.KEEP_OPEN):
       return {
         "accumulator": self.added(self.accumulator, self.grads),
         "noise": self.window.noise.add(noise, self.micro_batch(self.grads)),
@@ -224,7 +223,7 @@ class MicroStep:
       self.decision.closes,
       self.window.parallel.emptied,
       accumulator,
-      name=run_once.CLOSE_WINDOW,
+      name=scopes.CLOSE_WINDOW,
     )
 
 
@@ -277,12 +276,12 @@ class ClosingSide:
       has_weight,
       functools.partial(self.step_inner, total_weight),
       carry,
-      name=run_once.CLOSE_WINDOW,
+      name=scopes.CLOSE_WINDOW,
     )
     if micro_step.carrier != "accumulator":
       # A window without weight leaves its sums: the next starts from zero.
       closed = schedule.branch(
-        ~has_weight, self.emptied, closed, name=run_once.EMPTY_WINDOW
+        ~has_weight, self.emptied, closed, name=scopes.EMPTY_WINDOW
       )
     return {
       **closed,

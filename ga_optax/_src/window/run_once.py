@@ -53,16 +53,6 @@ from ga_optax._src.window import window_form
 
 Carry = TypeVar("Carry")
 
-# The scopes of a micro-step's work, as they appear in the ``op_name`` of
-# the compiled program: the add that keeps the window open (every call runs
-# it), the branches that close the window, and the branch that empties a
-# window closed without weight (neither a micro-step nor a closing step that
-# steps the optimizer runs it).
-KEEP_OPEN = "ga_optax_keep_open"
-CLOSE_WINDOW = "ga_optax_close_window"
-EMPTY_WINDOW = "ga_optax_empty_window"
-SIDES = (KEEP_OPEN, CLOSE_WINDOW, EMPTY_WINDOW)
-
 
 def run_once_if(
   predicate: jax.Array,
@@ -77,7 +67,7 @@ def run_once_if(
     predicate: a boolean scalar.
     body: maps ``carry`` to a tree of the same structure, shapes and dtypes.
     carry: what ``body`` reads and writes in place.
-    name: the loop's scope, one of :data:`SIDES`.
+    name: the loop's scope, one of :data:`ga_optax._src.scopes.SIDES`.
 
   Returns:
     ``body(carry)`` or ``carry``.

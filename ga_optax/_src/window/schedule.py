@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 
+from ga_optax._src import scopes
 from ga_optax._src.placements import residency
 from ga_optax._src.window import run_once
 
@@ -57,9 +58,7 @@ class DeviceScheduled:
     carry: Carry,
   ) -> Carry:
     """The closing side, where the window closes."""
-    return run_once.run_once_if(
-      closes, close, carry, name=run_once.CLOSE_WINDOW
-    )
+    return run_once.run_once_if(closes, close, carry, name=scopes.CLOSE_WINDOW)
 
   def branch(
     self,
@@ -100,7 +99,7 @@ class HostScheduled:
     del closes  # the host's word: traced as a constant
     if not self.closing:
       return carry
-    with jax.named_scope(run_once.CLOSE_WINDOW):
+    with jax.named_scope(scopes.CLOSE_WINDOW):
       return close(carry)
 
   def branch(

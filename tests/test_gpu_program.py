@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from control_flow import window_of_selects
 from gpu_compiler import compiled_for_gpu, host_waits_on_gpu
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -579,20 +580,9 @@ def test_a_window_turned_into_selects_runs_the_optimizer_every_time():
   """
   optimizer = optax.adam(1e-3)
   params = params_of()
-
-  def step(params, inner_state, batch):
-    grads = jax.grad(loss_fn)(params, batch)
-    closes = batch["x"][0, 0] > 0
-    with jax.named_scope(scopes.CLOSE_WINDOW):
-      updates, stepped = optimizer.update(grads, inner_state, params)
-    updates = jax.tree.map(
-      lambda update: jnp.where(closes, update, 0.0), updates
-    )
-    inner_state = jax.tree.map(
-      lambda new, old: jnp.where(closes, new, old), stepped, inner_state
-    )
-    return optax.apply_updates(params, updates), inner_state
-
+  step = window_of_selects(
+    optimizer, jax.grad(loss_fn), lambda batch: batch["x"][0, 0] > 0
+  )
   program = compiled_for_gpu(
     step, params, optimizer.init(params), batch_of(), donate_argnums=(0, 1)
   )

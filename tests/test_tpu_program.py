@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from control_flow import window_of_selects
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax import testing
-from ga_optax._src import scopes
 
 # Skipped where libtpu is missing, except in CI, which installs it: there
 # the tests fail with TpuCompilerUnavailable and the command that installs it.
@@ -223,20 +223,9 @@ def test_a_window_turned_into_selects_runs_the_optimizer_on_the_micro_step():
   it, and the micro-step's bytes hold Adam's moments, read and written.
   """
   adam = optax.adam(1e-3)
-
-  def step(params, inner_state, inputs):
-    grads = jax.grad(mlp_loss)(params, inputs)
-    closes = inputs[0, 0] > 0
-    with jax.named_scope(scopes.CLOSE_WINDOW):
-      updates, stepped = adam.update(grads, inner_state, params)
-    updates = jax.tree.map(
-      lambda update: jnp.where(closes, update, 0.0), updates
-    )
-    inner_state = jax.tree.map(
-      lambda new, old: jnp.where(closes, new, old), stepped, inner_state
-    )
-    return optax.apply_updates(params, updates), inner_state
-
+  step = window_of_selects(
+    adam, jax.grad(mlp_loss), lambda inputs: inputs[0, 0] > 0
+  )
   params = mlp_params()
   program = testing.compile_for_tpu(
     step,

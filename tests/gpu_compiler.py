@@ -20,9 +20,10 @@ from ga_optax import testing
 Result = TypeVar("Result")
 
 
-def _or_skip(
+def or_skip(
   compile_: Callable[..., Result], *args: Any, **options: Any
 ) -> Result:
+  """``compile_(*args, **options)``; without XLA:GPU a skip (in CI, a failure)."""
   try:
     return compile_(*args, **options)
   except testing.GpuCompilerUnavailable as error:
@@ -38,11 +39,11 @@ def compiled_for_gpu(
   step: Callable[..., Any], *args: Any, **options: Any
 ) -> Any:
   """``testing.compile_for_gpu(step, *args, **options)``, or a skip."""
-  return _or_skip(testing.compile_for_gpu, step, *args, **options)
+  return or_skip(testing.compile_for_gpu, step, *args, **options)
 
 
 def host_waits_on_gpu(
   step: Callable[..., Any], *args: Any, **options: Any
 ) -> testing.HostWaits:
   """``testing.host_waits(step, *args, **options)``, or a skip."""
-  return _or_skip(testing.host_waits, step, *args, **options)
+  return or_skip(testing.host_waits, step, *args, **options)

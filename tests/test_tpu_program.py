@@ -187,10 +187,11 @@ def test_clearing_on_the_next_first_micro_step_trades_the_tpu_peak_for_h100_byte
   (benchmarks/clearing.py), the closing call can leave the updates in the
   accumulator's buffer: the TPU then duplicates nothing and peaks at most at
   MultiSteps' at 4 x 4096², where accumulate does not (the known miss
-  above, 5.00 x params against 4.52 x). But a micro-step then selects before it adds, and on the H100 its
-  add no longer ends the gradient's matrix product: it moves more than
-  accumulate's micro-step. The state has one meaning on every platform (a
-  checkpoint moves between them), so one of the two must give.
+  above, 5.00 x params against 4.52 x). But a micro-step then selects
+  before it adds, and on the H100 its add no longer ends the gradient's
+  matrix product: it moves more than accumulate's micro-step. The state has
+  one meaning on every platform (a checkpoint moves between them), so one of
+  the two must give.
   """
   from benchmarks import clearing
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import ga_optax  # noqa: E402
-from benchmarks.tpu_memory import mlp  # noqa: E402
+from benchmarks.tpu_memory import mlp, train_step  # noqa: E402
 from ga_optax import testing  # noqa: E402
 from ga_optax._src import scopes  # noqa: E402
 from ga_optax._src.window import run_once  # noqa: E402
@@ -108,15 +108,6 @@ def deferred_clearing_state(
 def steps(loss_fn: Any, params: Any, k: int) -> dict[str, tuple[Any, Any]]:
   """Each contender's step and abstract state, Adam inside."""
   adam = optax.adam(1e-3)
-
-  def train_step(tx):
-    def step(params, state, batch):
-      grads = jax.grad(loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    return step
-
   accumulate = ga_optax.accumulate(adam, k)
   multi_steps = optax.MultiSteps(adam, k)
   return {
@@ -125,11 +116,11 @@ def steps(loss_fn: Any, params: Any, k: int) -> dict[str, tuple[Any, Any]]:
       deferred_clearing_state(adam, params),
     ),
     ACCUMULATE: (
-      train_step(accumulate),
+      train_step(loss_fn, accumulate),
       jax.eval_shape(accumulate.init, params),
     ),
     MULTI_STEPS: (
-      train_step(multi_steps),
+      train_step(loss_fn, multi_steps),
       jax.eval_shape(multi_steps.init, params),
     ),
   }

@@ -62,6 +62,17 @@ def mlp(width: int, depth: int) -> tuple[dict[str, Any], Any]:
   return params, loss_fn
 
 
+def train_step(loss_fn: Any, tx: Any, **options: Any) -> Any:
+  """A step of ``tx`` on ``loss_fn``'s gradient, its updates applied."""
+
+  def step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params, **options)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
 def peaks(
   width: int, depth: int, micro_batch: int, k: int, target: str
 ) -> dict[str, int]:
@@ -69,14 +80,6 @@ def peaks(
   params, loss_fn = mlp(width, depth)
   batch = {"x": jax.ShapeDtypeStruct((micro_batch, width), jnp.float32)}
   adam = optax.adam(1e-3)
-
-  def train_step(tx, **options):
-    def step(params, state, batch):
-      grads = jax.grad(loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params, **options)
-      return optax.apply_updates(params, updates), state
-
-    return step
 
   def fused_step(tx):
     def step(params, state, batch):
@@ -88,15 +91,18 @@ def peaks(
   fused = ga_optax.accumulate_and_apply(adam, k)
   multi_steps = optax.MultiSteps(adam, k)
   contenders = {
-    "plain Adam": (train_step(adam), adam),
-    "optax.MultiSteps": (train_step(multi_steps), multi_steps),
-    "accumulate, the device decides": (train_step(accumulate), accumulate),
+    "plain Adam": (train_step(loss_fn, adam), adam),
+    "optax.MultiSteps": (train_step(loss_fn, multi_steps), multi_steps),
+    "accumulate, the device decides": (
+      train_step(loss_fn, accumulate),
+      accumulate,
+    ),
     "accumulate, closing=False": (
-      train_step(accumulate, closing=False),
+      train_step(loss_fn, accumulate, closing=False),
       accumulate,
     ),
     "accumulate, closing=True": (
-      train_step(accumulate, closing=True),
+      train_step(loss_fn, accumulate, closing=True),
       accumulate,
     ),
     "accumulate_and_apply, the device": (fused_step(fused), fused),

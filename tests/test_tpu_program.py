@@ -136,28 +136,44 @@ WIDE = (
 )
 
 
-@functools.cache
-def wide_peaks() -> dict[str, float]:
-  """Peak memory at 4 x 4096² (256 MiB of params), in multiples of them:
-  past the chip's on-chip memory, where a duplicated buffer costs HBM."""
-  width = 4096
-  params = {
-    f"w{i}": jax.ShapeDtypeStruct((width, width), jnp.float32)
+WIDE_WIDTH = 4096
+
+
+def wide_params() -> dict[str, jax.ShapeDtypeStruct]:
+  """The params at 4 x 4096² (256 MiB): past the chip's on-chip memory."""
+  return {
+    f"w{i}": jax.ShapeDtypeStruct((WIDE_WIDTH, WIDE_WIDTH), jnp.float32)
     for i in range(LAYERS)
   }
+
+
+def compiled_wide(step: Any, state: Any) -> Any:
+  """``step`` compiled at 4 x 4096² for one v5e chip, donated."""
+  return testing.compile_for_tpu(
+    step,
+    wide_params(),
+    state,
+    jax.ShapeDtypeStruct((ROWS, WIDE_WIDTH), jnp.float32),
+    donate_argnums=(0, 1),
+  )
+
+
+def wide_peak(program: Any) -> float:
+  """A program's peak memory at 4 x 4096², in multiples of the params."""
+  return program.memory_analysis().peak_memory_in_bytes / (
+    LAYERS * WIDE_WIDTH * WIDE_WIDTH * 4
+  )
+
+
+@functools.cache
+def wide_peaks() -> dict[str, float]:
+  """Peak memory at 4 x 4096², in multiples of the params: past the chip's
+  on-chip memory, where a duplicated buffer costs HBM."""
   peaks = {}
   for name in WIDE:
     step, tx = steps()[name]
-    program = testing.compile_for_tpu(
-      step,
-      params,
-      jax.eval_shape(tx.init, params),
-      jax.ShapeDtypeStruct((ROWS, width), jnp.float32),
-      donate_argnums=(0, 1),
-    )
-    peaks[name] = program.memory_analysis().peak_memory_in_bytes / (
-      LAYERS * width * width * 4
-    )
+    program = compiled_wide(step, jax.eval_shape(tx.init, wide_params()))
+    peaks[name] = wide_peak(program)
   return peaks
 
 
@@ -195,22 +211,12 @@ def test_clearing_on_the_next_first_micro_step_trades_the_tpu_peak_for_h100_byte
   """
   from benchmarks import clearing
 
-  width = 4096
-  params = {
-    f"w{i}": jax.ShapeDtypeStruct((width, width), jnp.float32)
-    for i in range(LAYERS)
-  }
   adam = optax.adam(1e-3)
-  program = testing.compile_for_tpu(
+  program = compiled_wide(
     clearing.deferred_clearing_step(mlp_loss, adam, K),
-    params,
-    clearing.deferred_clearing_state(adam, params),
-    jax.ShapeDtypeStruct((ROWS, width), jnp.float32),
-    donate_argnums=(0, 1),
+    clearing.deferred_clearing_state(adam, wide_params()),
   )
-  deferred = program.memory_analysis().peak_memory_in_bytes / (
-    LAYERS * width * width * 4
-  )
+  deferred = wide_peak(program)
   micro = testing.path_audit(program, "micro_step")
   assert large_duplicates(micro) == []
   peaks = wide_peaks()

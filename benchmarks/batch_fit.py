@@ -4,8 +4,8 @@ accumulation.
 :func:`measure` compiles (never runs) the train step of the reference MLP
 for growing batch sizes and reads the device bytes of each executable: the
 largest single batch of a plain Adam step, and the largest micro-batch of
-``accumulate(adam)`` (``ga_optax.micro_step_bytes``), whose window of
-:data:`EFFECTIVE_K` micro-batches is the batch one update then takes.
+``accumulate(adam)`` (``ga_optax.planning.micro_step_bytes``), whose window
+of :data:`EFFECTIVE_K` micro-batches is the batch one update then takes.
 :func:`budget` is a share of ``memory_stats()["bytes_limit"]``, or given;
 :func:`largest_fitting` searches the rows. ``benchmarks/largest_batch.py``
 and ``benchmarks/gpu_report.py`` use them.
@@ -124,7 +124,7 @@ def measure(budget_bytes: int, source: str, quick: bool) -> Record:
     return device_memory.device_bytes(compiled)
 
   def micro_step_bytes(rows: int) -> int:
-    return ga_optax.micro_step_bytes(
+    return ga_optax.planning.micro_step_bytes(
       workload.loss_fn, params, example, rows, optimizer=adam
     )
 

@@ -18,10 +18,10 @@ Adam step, written each way a JAX user would reach for:
 * and the large batch itself, for reference.
 
 Read from each compiled program with ``ga_optax.testing``: the rows each
-device multiplies per micro-batch (``dot_shapes``: the activations that meet
-a kernel), and the all-reduces of one window as they run (a loop body's once
-per iteration, the closing branch's once per window, the others once per
-call). Window times are medians over windows; the variants take turns
+device multiplies per micro-batch (``hlo.dot_shapes``: the activations that
+meet a kernel), and the all-reduces of one window as they run (a loop body's
+once per iteration, the closing branch's once per window, the others once
+per call). Window times are medians over windows; the variants take turns
 window by window, in a rotating order, so that a busy host slows them alike.
 The last column is each variant's largest relative parameter difference
 from the large batch after the run. Prints a Markdown table, the ratios and
@@ -268,12 +268,12 @@ class Audit(NamedTuple):
 def audit(hlo_text: str, calls: int, width: int, parameter_bytes: int) -> Audit:
   """Counts a loop body's all-reduces once per iteration, the closing
   branch's once per window, the others' once per call."""
-  module = testing.parse_hlo(hlo_text)
+  module = testing.hlo.parse_hlo(hlo_text)
   closing = testing.window_collectives(hlo_text).closing_branch
   sizes: list[int] = []
 
   def visit(computation: str, times: int) -> None:
-    for collective in testing.collectives_in_hlo(module, [computation]):
+    for collective in testing.hlo.collectives_in_hlo(module, [computation]):
       if collective.opcode.startswith("all-reduce"):
         sizes.extend([collective.operand_bytes] * times)
     for instruction in module.computations.get(computation, ()):
@@ -299,7 +299,7 @@ def rows_per_device(hlo_text: str, width: int) -> int:
   kernel = f"[{width},{width}]"
   rows = [
     int(activation[activation.index("[") + 1 : activation.index(",")])
-    for shapes in testing.dot_shapes(hlo_text)
+    for shapes in testing.hlo.dot_shapes(hlo_text)
     if any(shape.endswith(kernel) for shape in shapes)
     for activation in shapes
     if not activation.endswith(kernel) and activation.count(",") == 1

@@ -4,8 +4,8 @@ accumulation.
 Compiles (never runs) the train step of the reference MLP for growing batch
 sizes and reads the device bytes of each executable: the largest single
 batch of a plain Adam step, and the largest micro-batch of
-``accumulate(adam)`` (``ga_optax.micro_step_bytes``), whose window of
-``EFFECTIVE_K`` micro-batches is the batch one update then takes. The budget
+``accumulate(adam)`` (``ga_optax.planning.micro_step_bytes``), whose window
+of ``EFFECTIVE_K`` micro-batches is the batch one update then takes. The budget
 is a share of ``memory_stats()["bytes_limit"]``, or given.
 
 Usage::

@@ -6,7 +6,7 @@ is not), params and state donated, and reads each program's peak memory
 (``memory_analysis().peak_memory_in_bytes``): plain Adam, ``optax.MultiSteps``
 ``ga_optax.accumulate``, the device deciding and the host (``closing=False``
 and ``closing=True``), and ``ga_optax.accumulate_and_apply``, the device
-deciding. Then ``ga_optax.plan_microbatch``,
+deciding. Then ``ga_optax.planning.plan_microbatch``,
 compiling for the same chip (``device=``), finds the largest micro-batch of
 ``accumulate(adam)`` whose micro-step fits a share of the chip's memory, and
 the k that reaches the global batch. These are compiler figures, never
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   budget = int(HBM_BYTES[args.target] * args.memory_fraction)
   (chip,) = testing.tpu_devices(target=args.target)
-  plan = ga_optax.plan_microbatch(
+  plan = ga_optax.planning.plan_microbatch(
     loss_fn,
     params,
     {"x": jax.ShapeDtypeStruct((1, args.width), jnp.float32)},

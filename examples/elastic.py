@@ -2,10 +2,11 @@
 
 Trains a small Flax MLP on scikit-learn's bundled digits with the same
 global batch, from the same initial parameters, on the same windows of
-data, on 1, 2, 4 and 8 devices. For each device count ``ga_optax.elastic_plan``
-splits the global batch into micro-batch x k x devices; every device
-accumulates its own micro-batches (``ga_optax.accumulate(..., axis_name=
-"data")`` inside ``jax.shard_map``) and the devices reduce once per window.
+data, on 1, 2, 4 and 8 devices. For each device count
+``ga_optax.planning.elastic_plan`` splits the global batch into micro-batch
+x k x devices; every device accumulates its own micro-batches
+(``ga_optax.accumulate(..., axis_name="data")`` inside ``jax.shard_map``)
+and the devices reduce once per window.
 The loss curves of the four device counts coincide.
 
 Then the move: train on 8 devices, save the state with orbax at a window
@@ -53,6 +54,7 @@ from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import ga_optax
+from ga_optax import planning
 from ga_optax.testing import max_relative_difference
 
 # Under the directory the script is run from, never inside the source tree.
@@ -121,7 +123,7 @@ class Trainer:
     self.optimizer = optax.adamw(args.learning_rate, weight_decay=1e-4)
     self.devices = devices
     self.progress = args.progress
-    self.compiled: dict[ga_optax.ElasticPlan, tuple[Callable, Callable]] = {}
+    self.compiled: dict[planning.ElasticPlan, tuple[Callable, Callable]] = {}
 
   def loss_fn(self, params: Any, images: jax.Array, labels: jax.Array):
     logits = self.model.apply(params, images)
@@ -132,18 +134,18 @@ class Trainer:
   def mesh(self, num_devices: int) -> Mesh:
     return Mesh(np.array(self.devices[:num_devices]), ("data",))
 
-  def transformation(self, plan: ga_optax.ElasticPlan):
+  def transformation(self, plan: planning.ElasticPlan):
     return ga_optax.accumulate(
       self.optimizer, plan.num_microbatches, axis_name="data"
     )
 
-  def replicated(self, tree: Any, plan: ga_optax.ElasticPlan) -> Any:
+  def replicated(self, tree: Any, plan: planning.ElasticPlan) -> Any:
     """``tree`` copied onto every device of the plan's mesh."""
     sharding = NamedSharding(self.mesh(plan.num_devices), P())
     return jax.tree.map(lambda leaf: jax.device_put(leaf, sharding), tree)
 
   def init_and_step(
-    self, plan: ga_optax.ElasticPlan
+    self, plan: planning.ElasticPlan
   ) -> tuple[Callable, Callable]:
     """The plan's jitted ``tx.init`` and data-parallel micro-step."""
     if plan in self.compiled:
@@ -174,7 +176,7 @@ class Trainer:
 
   def train(
     self,
-    plan: ga_optax.ElasticPlan,
+    plan: planning.ElasticPlan,
     params: Any,
     opt_state: ga_optax.AccumulateState | None,
     data: Data,
@@ -218,7 +220,7 @@ class Trainer:
 
 
 def save_and_restore_on(
-  trainer: Trainer, run: Run, plan: ga_optax.ElasticPlan, path: Path
+  trainer: Trainer, run: Run, plan: planning.ElasticPlan, path: Path
 ) -> tuple[Any, ga_optax.AccumulateState]:
   """Saves a run's state; restores it onto the new plan's devices."""
   # At a window boundary the accumulator is the same on every device, so
@@ -357,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
   output_dir = args.output_dir.resolve()
   sizes = args.micro_batch_sizes
   plans = {
-    count: ga_optax.elastic_plan(args.global_batch, count, sizes)
+    count: planning.elastic_plan(args.global_batch, count, sizes)
     for count in counts
   }
   data = load_data(args.seed)
@@ -365,8 +367,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     len(data.train_labels), args.global_batch, args.epochs, args.seed
   )
   moved_at = len(windows) // 2
-  valid = ga_optax.valid_device_counts(args.global_batch, sizes, max(counts))
-  best = ga_optax.best_global_batch_size(
+  valid = planning.valid_device_counts(args.global_batch, sizes, max(counts))
+  best = planning.best_global_batch_size(
     args.global_batch, sizes, max_devices=max(counts)
   )
   print(
@@ -374,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     f" batch {args.global_batch}, micro-batch sizes {tuple(sizes)}: valid on"
     f" {valid} of 1..{max(counts)} devices (the best global batch up to"
     f" {args.global_batch} would be {best}, valid on"
-    f" {ga_optax.valid_device_counts(best, sizes, max(counts))})"
+    f" {planning.valid_device_counts(best, sizes, max(counts))})"
   )
 
   trainer = Trainer(args, devices)

@@ -1,35 +1,20 @@
 """ga_optax: gradient accumulation for JAX, equivalent to the large-batch step.
 
-The top level holds what most training loops need. Two namespaces group
+The top level holds what most training loops need. Three namespaces group
 what some need: :mod:`ga_optax.batch_size` (choosing k from the measured
-noise scale) and :mod:`ga_optax.mixed_precision` (a dynamic loss scale for
-float16); :mod:`ga_optax.testing` holds the equivalence and compiled-program
-checks.
+noise scale), :mod:`ga_optax.mixed_precision` (a dynamic loss scale for
+float16) and :mod:`ga_optax.planning` (the micro-batch that fits, elastic
+plans, partial sums to save); :mod:`ga_optax.testing` holds the equivalence
+and compiled-program checks.
 """
 
-from ga_optax import batch_size, mixed_precision
+from ga_optax import batch_size, mixed_precision, planning
+from ga_optax._src import deprecation
 from ga_optax._src.algebra.noise_scale import (
   NoiseScale,
   NoiseScaleAverages,
   NoiseScaleEstimate,
   smooth_noise_scale,
-)
-from ga_optax._src.planning.elastic import (
-  ElasticPlan,
-  best_global_batch_size,
-  elastic_plan,
-  valid_device_counts,
-)
-from ga_optax._src.planning.partial_sums import (
-  consolidate,
-  split_total,
-  stack_partial_sums,
-  unstack_partial_sums,
-)
-from ga_optax._src.planning.planner import (
-  MicrobatchPlan,
-  micro_step_bytes,
-  plan_microbatch,
 )
 from ga_optax._src.recipes.batchnorm import combine_batch_stats
 from ga_optax._src.recipes.flax_utils import apply_gradients
@@ -56,9 +41,7 @@ __version__ = "0.2.0"
 
 __all__ = [
   "AccumulateState",
-  "ElasticPlan",
   "FusedAccumulation",
-  "MicrobatchPlan",
   "NoiseScale",
   "NoiseScaleAverages",
   "NoiseScaleEstimate",
@@ -67,23 +50,19 @@ __all__ = [
   "applied_updates",
   "apply_gradients",
   "batch_size",
-  "best_global_batch_size",
   "combine_batch_stats",
-  "consolidate",
   "current_k",
-  "elastic_plan",
   "emitted",
   "gpu_compiler_options",
-  "micro_step_bytes",
   "microbatched_value_and_grad",
   "mixed_precision",
   "noise_scale",
   "num_skipped",
-  "plan_microbatch",
+  "planning",
   "smooth_noise_scale",
-  "split_total",
-  "stack_partial_sums",
   "unreduced_value_and_grad",
-  "unstack_partial_sums",
-  "valid_device_counts",
 ]
+
+# The names of ga_optax.planning were top-level names up to 0.2.0: they are
+# still found here, with a warning.
+__getattr__ = deprecation.moved_names(__name__, planning)

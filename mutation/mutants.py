@@ -1277,7 +1277,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " 10 x rtol",
     edits=(
       Edit(
-        "ga_optax/testing.py",
+        "ga_optax/testing/__init__.py",
         "  if not result.max_relative_difference <= rtol:",
         "  if not result.max_relative_difference <= 10 * rtol:",
       ),

@@ -347,19 +347,21 @@ class Runner:
     if kind == "copy":
       return restored(state, like)
     if kind == "stack":
-      saved = ga_optax.stack_partial_sums(state)
-      return ga_optax.unstack_partial_sums(
-        restored(saved, ga_optax.stack_partial_sums(like)), like
+      saved = ga_optax.planning.stack_partial_sums(state)
+      return ga_optax.planning.unstack_partial_sums(
+        restored(saved, ga_optax.planning.stack_partial_sums(like)), like
       )
     if self.case.parallel.startswith("shard_map"):
       in_map = in_shard_map(self.mesh)
-      saved = in_map(lambda s: ga_optax.consolidate(s, axis_name="data"))(state)
-      return in_map(lambda s: ga_optax.split_total(s, axis_name="data"))(
-        restored(saved, like)
-      )
-    saved = ga_optax.consolidate(state)
-    return ga_optax.split_total(
-      restored(saved, ga_optax.consolidate(like)), like
+      saved = in_map(
+        lambda s: ga_optax.planning.consolidate(s, axis_name="data")
+      )(state)
+      return in_map(
+        lambda s: ga_optax.planning.split_total(s, axis_name="data")
+      )(restored(saved, like))
+    saved = ga_optax.planning.consolidate(state)
+    return ga_optax.planning.split_total(
+      restored(saved, ga_optax.planning.consolidate(like)), like
     )
 
 

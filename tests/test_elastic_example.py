@@ -2,9 +2,10 @@
 
 examples/elastic.py runs at its smallest in this process (every test process
 sees 8 simulated CPU devices). Its own comparisons are between ga_optax runs,
-with AdamW; the second test holds the same recipe (``ga_optax.elastic_plan``
-per device count, ``accumulate(axis_name="data")`` in ``jax.shard_map``, a
-move from 8 to 2 devices through an orbax checkpoint at a window boundary)
+with AdamW; the second test holds the same recipe
+(``ga_optax.planning.elastic_plan`` per device count,
+``accumulate(axis_name="data")`` in ``jax.shard_map``, a move from 8 to 2
+devices through an orbax checkpoint at a window boundary)
 to the large batch computed without ga_optax, with plain SGD and
 token-weighted windows of unequal weight.
 """
@@ -96,7 +97,9 @@ def train(
   num_devices: int, params: Any, state: Any, windows: list[Any]
 ) -> tuple[Any, Any]:
   """The example's recipe with plain SGD: the plan's micro-batches and k."""
-  plan = ga_optax.elastic_plan(GLOBAL_BATCH, num_devices, MICRO_BATCH_SIZES)
+  plan = ga_optax.planning.elastic_plan(
+    GLOBAL_BATCH, num_devices, MICRO_BATCH_SIZES
+  )
   mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
   tx = ga_optax.accumulate(SGD, plan.num_microbatches, axis_name="data")
 

@@ -794,7 +794,7 @@ def fp8_gemms(hlo_text: str) -> list[tuple[str, str]]:
   backend), or as a cuBLASLt custom-call (``__cublas$lt$matmul$f8``); the
   dtypes are those of the dot's (or custom-call's) operands.
   """
-  module = testing.parse_hlo(hlo_text)
+  module = testing.hlo.parse_hlo(hlo_text)
   gemm_callers = re.findall(
     r"fusion\([^\n]*calls=%?([\w.\-]+)[^\n]*__triton[\w]*gemm", hlo_text
   )

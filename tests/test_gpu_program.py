@@ -414,8 +414,8 @@ def test_under_xla_defaults_the_host_drives_each_side(case):
   # The recipe changes how the program is launched, not what it computes:
   # the figures above, taken under the recipe, are also XLA's defaults'.
   assert (
-    testing.parse_hlo(default.program.as_text()).computations
-    == testing.parse_hlo(recipe.program.as_text()).computations
+    testing.hlo.parse_hlo(default.program.as_text()).computations
+    == testing.hlo.parse_hlo(recipe.program.as_text()).computations
   )
   sides = testing.window_sides(default.program)
   assert len(default.on_host) == sides["close_window"] + sides["empty_window"]
@@ -430,7 +430,7 @@ def test_under_xla_defaults_the_host_drives_each_side(case):
 def test_without_collectives_the_closing_side_stays_on_the_host():
   """On 8 GPUs the window's reduction sits in the closing side's loops."""
   waits, _ = compiled("unreduced", "without_collectives")
-  module = testing.parse_hlo(waits.program.as_text())
+  module = testing.hlo.parse_hlo(waits.program.as_text())
   loops = {
     instruction.name: instruction
     for instructions in module.computations.values()
@@ -621,7 +621,7 @@ HOST_SCHEDULED_ON_EIGHT = {
 
 
 def assert_no_control_flow(program: Any) -> None:
-  module = testing.parse_hlo(program.as_text())
+  module = testing.hlo.parse_hlo(program.as_text())
   control_flow = [
     instruction.name
     for instructions in module.computations.values()

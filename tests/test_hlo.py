@@ -15,7 +15,7 @@ import pytest
 
 from ga_optax import testing
 from ga_optax._src.audits.hlo import shape_bytes
-from ga_optax.testing import Collective
+from ga_optax.testing.hlo import Collective
 
 # A window-closing conditional and nothing else.
 WINDOW_TEXT = """\
@@ -152,7 +152,7 @@ PER_ITERATION = [
 
 
 def test_parse_hlo_reads_computations_loops_and_callees():
-  module = testing.parse_hlo(LOOP_TEXT)
+  module = testing.hlo.parse_hlo(LOOP_TEXT)
   assert module.entry == "main"
   assert list(module.computations) == [
     "add",
@@ -167,7 +167,7 @@ def test_parse_hlo_reads_computations_loops_and_callees():
     "main",
   ]
   (loop,) = [i for i in module.computations["main"] if i.opcode == "while"]
-  assert loop == testing.HloInstruction(
+  assert loop == testing.hlo.HloInstruction(
     name="loop",
     opcode="while",
     shape=("(s32[], f32[2,32]{1,0}, f32[2,16]{1,0}, f32[16,32]{1,0}, pred[])"),
@@ -182,8 +182,8 @@ def test_parse_hlo_reads_computations_loops_and_callees():
 
 
 def test_reachable_follows_calls_and_stops_at_excluded():
-  module = testing.parse_hlo(LOOP_TEXT)
-  assert testing.reachable(module, "body") == {
+  module = testing.hlo.parse_hlo(LOOP_TEXT)
+  assert testing.hlo.reachable(module, "body") == {
     "body",
     "matmul",
     "count_votes",
@@ -191,7 +191,7 @@ def test_reachable_follows_calls_and_stops_at_excluded():
     "pass",
     "shift",
   }
-  assert testing.reachable(module, "main", excluded={"body", "close"}) == {
+  assert testing.hlo.reachable(module, "main", excluded={"body", "close"}) == {
     "main",
     "cond",
     "add",
@@ -207,8 +207,8 @@ def test_loop_collectives_are_those_of_the_body_and_condition():
 
 
 def test_loop_collectives_leave_out_what_runs_outside_the_loop():
-  module = testing.parse_hlo(LOOP_TEXT)
-  outside = {c.name for c in testing.collectives_in_hlo(module)} - {
+  module = testing.hlo.parse_hlo(LOOP_TEXT)
+  outside = {c.name for c in testing.hlo.collectives_in_hlo(module)} - {
     c.name for c in testing.loop_collectives(module)
   }
   # The all-gather before the loop and the all-reduce of the conditional
@@ -219,20 +219,20 @@ def test_loop_collectives_leave_out_what_runs_outside_the_loop():
 
 def test_loop_collectives_is_empty_without_a_loop():
   # WINDOW_TEXT has a collective, in a conditional's branch, but no loop.
-  assert testing.collectives_in_hlo(testing.parse_hlo(window_text()))
+  assert testing.hlo.collectives_in_hlo(testing.hlo.parse_hlo(window_text()))
   assert testing.loop_collectives(window_text()) == []
 
 
 def test_text_and_parsed_module_give_the_same_audit():
-  module = testing.parse_hlo(LOOP_TEXT)
+  module = testing.hlo.parse_hlo(LOOP_TEXT)
   assert testing.loop_collectives(module) == testing.loop_collectives(LOOP_TEXT)
-  assert testing.dot_shapes(module) == testing.dot_shapes(LOOP_TEXT)
+  assert testing.hlo.dot_shapes(module) == testing.hlo.dot_shapes(LOOP_TEXT)
 
 
 def test_dot_shapes_of_fused_dots_and_convolutions():
   # The dot's operands are the parameters of its fusion; the convolution's
   # are the entry's parameters. Layouts are left out.
-  assert testing.dot_shapes(LOOP_TEXT) == [
+  assert testing.hlo.dot_shapes(LOOP_TEXT) == [
     ("f32[2,16]", "f32[16,32]"),
     ("f32[2,3,8,8]", "f32[4,3,3,3]"),
   ]
@@ -248,7 +248,7 @@ ENTRY %main (x: bf16[4,16], w: bf16[16,32]) -> f32[4,32] {
   ROOT %dot.3 = f32[4,32]{1,0} dot(bf16[4,16]{1,0:T(8,128)(2,1)} %x, bf16[16,32]{1,0:T(8,128)(2,1)} %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
-  assert testing.dot_shapes(text) == [("bf16[4,16]", "bf16[16,32]")]
+  assert testing.hlo.dot_shapes(text) == [("bf16[4,16]", "bf16[16,32]")]
 
 
 def test_dot_shapes_rejects_a_dot_on_undefined_operands():
@@ -261,11 +261,11 @@ ENTRY %main (x: f32[4,16]) -> f32[4,32] {
 }
 """
   with pytest.raises(ValueError, match="operand %w of %dot is not defined"):
-    testing.dot_shapes(text)
+    testing.hlo.dot_shapes(text)
 
 
 @pytest.mark.parametrize(
-  "audit", [testing.loop_collectives, testing.dot_shapes]
+  "audit", [testing.loop_collectives, testing.hlo.dot_shapes]
 )
 def test_audits_ask_for_text_instead_of_a_compiled_object(audit):
   compiled = jax.jit(jnp.sin).lower(1.0).compile()
@@ -283,7 +283,7 @@ def test_a_compiled_scan_of_a_dot_on_one_device():
   # 4 micro-batches of 8 rows, 16 features in, 32 out.
   w, xs = jnp.ones((16, 32)), jnp.ones((4, 8, 16))
   text = jax.jit(predict).lower(w, xs).compile().as_text()
-  module = testing.parse_hlo(text)
+  module = testing.hlo.parse_hlo(text)
   loops = [
     instruction
     for instructions in module.computations.values()
@@ -291,10 +291,10 @@ def test_a_compiled_scan_of_a_dot_on_one_device():
     if instruction.opcode == "while"
   ]
   assert [loop.trip_count for loop in loops] == [4]
-  assert testing.dot_shapes(module) == [("f32[8,16]", "f32[16,32]")]
+  assert testing.hlo.dot_shapes(module) == [("f32[8,16]", "f32[16,32]")]
   # The dot runs inside the loop: once per micro-batch, on its 8 rows.
   in_loop = set().union(
-    *(testing.reachable(module, callee) for callee in loops[0].callees)
+    *(testing.hlo.reachable(module, callee) for callee in loops[0].callees)
   )
   with_dots = {
     name
@@ -302,7 +302,7 @@ def test_a_compiled_scan_of_a_dot_on_one_device():
     if any(instruction.opcode == "dot" for instruction in instructions)
   }
   assert with_dots and with_dots <= in_loop, (with_dots, in_loop)
-  assert testing.collectives_in_hlo(module) == []
+  assert testing.hlo.collectives_in_hlo(module) == []
   assert testing.loop_collectives(module) == []
 
 
@@ -431,7 +431,7 @@ ASYNC_CLOSING = [
 
 
 def test_collectives_in_hlo_counts_asynchronous_collectives_once():
-  found = testing.collectives_in_hlo(testing.parse_hlo(ASYNC_TEXT))
+  found = testing.hlo.collectives_in_hlo(testing.hlo.parse_hlo(ASYNC_TEXT))
   assert sorted(found) == sorted(
     [*ASYNC_IN_LOOP, ASYNC_BEFORE_LOOP, *ASYNC_CLOSING]
   )
@@ -464,7 +464,7 @@ def test_an_asynchronous_all_reduce_in_the_open_branch_is_refused():
 
 def test_parse_hlo_rejects_text_without_an_entry():
   with pytest.raises(ValueError, match="hlo_text must be the text"):
-    testing.parse_hlo("f32[] add(%a, %b)")
+    testing.hlo.parse_hlo("f32[] add(%a, %b)")
 
 
 @pytest.mark.parametrize(

@@ -104,11 +104,13 @@ def test_partial_sums_keep_the_accumulator_in_host_memory(helper):
     like = tx.init(params)
     _, state = unreduced_window(tx, [windows[0][:1]], params, close=False)
     if helper == "stack":
-      resumed = ga_optax.unstack_partial_sums(
-        ga_optax.stack_partial_sums(state), like
+      resumed = ga_optax.planning.unstack_partial_sums(
+        ga_optax.planning.stack_partial_sums(state), like
       )
     else:
-      resumed = ga_optax.split_total(ga_optax.consolidate(state), like)
+      resumed = ga_optax.planning.split_total(
+        ga_optax.planning.consolidate(state), like
+      )
   for leaf in jax.tree.leaves(resumed.accumulator):
     assert residency.kind_of(leaf) == "pinned_host"
     assert leaf.sharding.memory_kind == "pinned_host"
@@ -121,8 +123,8 @@ def test_the_saved_partial_sums_stay_in_host_memory(helper):
   windows = make_windows((2,), DEVICES, 2)
   first = windows[0][0]
   save = {
-    "stack": ga_optax.stack_partial_sums,
-    "consolidate": ga_optax.consolidate,
+    "stack": ga_optax.planning.stack_partial_sums,
+    "consolidate": ga_optax.planning.consolidate,
   }[helper]
   with jax.set_mesh(mesh()):
     params = jax.device_put(init_params(), P())
@@ -155,8 +157,8 @@ def test_consolidate_inside_shard_map_keeps_host_memory():
   )
 
   def round_trip(state):
-    consolidated = ga_optax.consolidate(state, axis_name="data")
-    return ga_optax.split_total(consolidated, axis_name="data")
+    consolidated = ga_optax.planning.consolidate(state, axis_name="data")
+    return ga_optax.planning.split_total(consolidated, axis_name="data")
 
   in_map = jax.jit(
     jax.shard_map(

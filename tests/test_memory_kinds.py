@@ -408,7 +408,7 @@ def test_micro_step_bytes_leave_out_what_lives_on_the_host():
   param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
   def measure(**kinds):
-    return ga_optax.micro_step_bytes(
+    return ga_optax.planning.micro_step_bytes(
       _loss_fn, params, batch, 4, optimizer=optax.adam(1e-3), **kinds
     )
 
@@ -429,16 +429,18 @@ def test_micro_step_bytes_leave_out_what_lives_on_the_host():
   assert on_device - accumulator_on_host == param_bytes
   # Adam's moments and its int32 count.
   assert accumulator_on_host - both_on_host == 2 * param_bytes + 4
-  without_optimizer = ga_optax.micro_step_bytes(_loss_fn, params, batch, 4)
+  without_optimizer = ga_optax.planning.micro_step_bytes(
+    _loss_fn, params, batch, 4
+  )
   assert (
     without_optimizer
-    - ga_optax.micro_step_bytes(
+    - ga_optax.planning.micro_step_bytes(
       _loss_fn, params, batch, 4, accumulator_memory_kind=HOST
     )
     == param_bytes
   )
   with pytest.raises(ValueError, match="inner_state_memory_kind"):
-    ga_optax.micro_step_bytes(
+    ga_optax.planning.micro_step_bytes(
       _loss_fn, params, batch, 4, inner_state_memory_kind=HOST
     )
 
@@ -449,11 +451,11 @@ def test_the_plan_grows_when_the_state_leaves_the_device():
     # more device bytes, and no plan fitted the budget (host-memory.md).
     pytest.skip("the device copies of the state depend on the backend")
   params, batch = _planner_inputs()
-  budget = ga_optax.micro_step_bytes(
+  budget = ga_optax.planning.micro_step_bytes(
     _loss_fn, params, batch, 4, optimizer=optax.adam(1e-3)
   )
   plans = [
-    ga_optax.plan_microbatch(
+    ga_optax.planning.plan_microbatch(
       _loss_fn,
       params,
       batch,

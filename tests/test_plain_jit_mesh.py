@@ -60,12 +60,12 @@ ROWS = 2  # per device and micro-step, on the 8 devices
 
 def check_audit(text: str, layout: Layout, params: Any, rows: int) -> None:
   """The HLO facts of a micro-batched step."""
-  module = testing.parse_hlo(text)
-  everywhere = testing.collectives_in_hlo(module)
+  module = testing.hlo.parse_hlo(text)
+  everywhere = testing.hlo.collectives_in_hlo(module)
   in_loops = testing.loop_collectives(module)
   # Every device computes its own rows of every micro-batch.
   first_layer = [
-    lhs for lhs, _ in testing.dot_shapes(module) if lhs.endswith(f",{IN}]")
+    lhs for lhs, _ in testing.hlo.dot_shapes(module) if lhs.endswith(f",{IN}]")
   ]
   assert first_layer and set(first_layer) == {f"f32[{rows},{IN}]"}, first_layer
   # No parameter-sized collective per micro-batch (a model axis adds small
@@ -247,9 +247,9 @@ def test_flax_models(library):
     )
     compiled = step.lower(params, sharded_batch).compile()
     result = compiled(params, sharded_batch)
-    module = testing.parse_hlo(compiled.as_text())
+    module = testing.hlo.parse_hlo(compiled.as_text())
   assert testing.loop_collectives(module) == []
-  reductions = testing.collectives_in_hlo(module)
+  reductions = testing.hlo.collectives_in_hlo(module)
   assert [c.opcode for c in reductions] == ["all-reduce"], reductions
   assert_finite_and_close(result, expected)
 
@@ -403,8 +403,8 @@ def test_auto_axes_accumulate_keeps_the_params_sharding():
   # does not: XLA's per-micro-step gradient reduction is all there is.
   found = testing.window_collectives(compiled.as_text())
   assert found.window_closing == [], found
-  plain = testing.collectives_in_hlo(
-    testing.parse_hlo(
+  plain = testing.hlo.collectives_in_hlo(
+    testing.hlo.parse_hlo(
       jax.jit(plain_step).lower(params, first).compile().as_text()
     )
   )
@@ -473,14 +473,14 @@ def test_mid_window_checkpoints_resume_here_and_on_2_devices(tmp_path):
     step = unreduced_step(tx, fused=False)
     unstopped, _ = run_steps(step, start, tx.init(start), run)
     middle, state = run_steps(step, start, tx.init(start), run[:saved_after])
-    stacked = ga_optax.stack_partial_sums(state)
+    stacked = ga_optax.planning.stack_partial_sums(state)
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(tmp_path / "stacked", (middle, stacked))
       checkpointer.save(
-        tmp_path / "total", (middle, ga_optax.consolidate(state))
+        tmp_path / "total", (middle, ga_optax.planning.consolidate(state))
       )
       restored = checkpointer.restore(tmp_path / "stacked", (middle, stacked))
-    resumed = ga_optax.unstack_partial_sums(
+    resumed = ga_optax.planning.unstack_partial_sums(
       restored[1], jax.eval_shape(tx.init, start)
     )
     final, _ = run_steps(step, restored[0], resumed, run[saved_after:])
@@ -495,11 +495,13 @@ def test_mid_window_checkpoints_resume_here_and_on_2_devices(tmp_path):
     step = unreduced_step(tx, fused=False)
     with ocp.StandardCheckpointer() as checkpointer:
       middle, total = checkpointer.restore(
-        tmp_path / "total", (start, ga_optax.consolidate(like))
+        tmp_path / "total", (start, ga_optax.planning.consolidate(like))
       )
     for state in (
-      ga_optax.split_total(total, like),
-      ga_optax.unstack_partial_sums(jax.device_put(saved_on_8, P()), like),
+      ga_optax.planning.split_total(total, like),
+      ga_optax.planning.unstack_partial_sums(
+        jax.device_put(saved_on_8, P()), like
+      ),
     ):
       final, _ = run_steps(step, middle, state, run[saved_after:])
       assert_finite_and_close(final, expected)
@@ -514,7 +516,7 @@ def test_a_window_boundary_resumes_on_other_devices_with_another_k():
   expected = large_batch_reference(SGD, init_params(), windows)
 
   def train(num_devices, params, state, windows):
-    plan = ga_optax.elastic_plan(global_batch, num_devices, (8,))
+    plan = ga_optax.planning.elastic_plan(global_batch, num_devices, (8,))
     tx = ga_optax.accumulate(SGD, plan.num_microbatches, unreduced_axes="data")
     rows = plan.micro_batch_size * num_devices
     mesh = data_mesh(num_devices)
@@ -523,7 +525,9 @@ def test_a_window_boundary_resumes_on_other_devices_with_another_k():
       like = tx.init(params)
       # The accumulator is unreduced even at a boundary: it goes through
       # consolidate and split_total like any saved state.
-      state = like if state is None else ga_optax.split_total(state, like)
+      state = (
+        like if state is None else ga_optax.planning.split_total(state, like)
+      )
       step = unreduced_step(tx, fused=False)
       for window in windows:
         batch = whole(window)
@@ -534,7 +538,7 @@ def test_a_window_boundary_resumes_on_other_devices_with_another_k():
         params, state = run_steps(step, params, state, micro)
       assert int(state.micro_step) == 0
       # What a checkpoint holds: host arrays.
-      return jax.device_get((params, ga_optax.consolidate(state)))
+      return jax.device_get((params, ga_optax.planning.consolidate(state)))
 
   middle, state = train(DEVICES, init_params(), None, windows[:2])
   final, _ = train(2, middle, state, windows[2:])

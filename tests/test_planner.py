@@ -36,7 +36,7 @@ def _batch(size: int = 3):
 
 @functools.cache
 def _bytes(size: int, with_optimizer: bool = False) -> int:
-  return ga_optax.micro_step_bytes(
+  return ga_optax.planning.micro_step_bytes(
     _loss_fn,
     _params(),
     _batch(),
@@ -53,7 +53,7 @@ def test_bytes_grow_with_the_microbatch_and_the_optimizer_state():
 def test_plan_is_the_largest_size_within_budget():
   budget = (_bytes(40) + _bytes(41)) // 2 if _bytes(41) > _bytes(40) else None
   budget = budget or _bytes(40)
-  plan = ga_optax.plan_microbatch(
+  plan = ga_optax.planning.plan_microbatch(
     _loss_fn, _params(), _batch(), budget, max_micro_batch_size=4096
   )
   assert plan.num_microbatches is None
@@ -66,7 +66,7 @@ def test_plan_is_the_largest_size_within_budget():
 def test_plan_reaches_the_global_batch_with_a_divisor():
   global_batch_size = 96
   budget = _bytes(20)
-  plan = ga_optax.plan_microbatch(
+  plan = ga_optax.planning.plan_microbatch(
     _loss_fn, _params(), _batch(), budget, global_batch_size=global_batch_size
   )
   assert global_batch_size % plan.micro_batch_size == 0
@@ -81,7 +81,7 @@ def test_plan_reaches_the_global_batch_with_a_divisor():
 
 
 def test_whole_batch_fits_means_k_equal_one():
-  plan = ga_optax.plan_microbatch(
+  plan = ga_optax.planning.plan_microbatch(
     _loss_fn, _params(), _batch(), _bytes(16) + 1, global_batch_size=16
   )
   assert (plan.micro_batch_size, plan.num_microbatches, plan.next_size) == (
@@ -93,11 +93,11 @@ def test_whole_batch_fits_means_k_equal_one():
 
 def test_optimizer_state_counts_against_the_budget():
   budget = _bytes(64, with_optimizer=False)
-  plain = ga_optax.plan_microbatch(
+  plain = ga_optax.planning.plan_microbatch(
     _loss_fn, _params(), _batch(), budget, global_batch_size=64
   )
   with_adam_budget = _bytes(64, with_optimizer=True)
-  with_adam = ga_optax.plan_microbatch(
+  with_adam = ga_optax.planning.plan_microbatch(
     _loss_fn,
     _params(),
     _batch(),
@@ -114,14 +114,16 @@ def test_abstract_params_plan_like_concrete_ones():
   abstract = jax.tree.map(
     lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), _params()
   )
-  assert ga_optax.micro_step_bytes(_loss_fn, abstract, _batch(), 8) == _bytes(8)
+  assert ga_optax.planning.micro_step_bytes(
+    _loss_fn, abstract, _batch(), 8
+  ) == _bytes(8)
 
 
 def test_has_aux_losses_are_planned():
   def loss_with_aux(params, batch):
     return _loss_fn(params, batch), {"size": batch["x"].shape[0]}
 
-  assert ga_optax.micro_step_bytes(
+  assert ga_optax.planning.micro_step_bytes(
     loss_with_aux, _params(), _batch(), 8, has_aux=True
   ) == _bytes(8)
 
@@ -138,33 +140,35 @@ def test_has_aux_losses_are_planned():
 )
 def test_bad_budgets_raise(budget, error, match):
   with pytest.raises(error, match=match):
-    ga_optax.plan_microbatch(_loss_fn, _params(), _batch(), budget)
+    ga_optax.planning.plan_microbatch(_loss_fn, _params(), _batch(), budget)
 
 
 def test_bad_batches_and_sizes_raise():
   budget = _bytes(8)
   with pytest.raises(ValueError, match="global_batch_size"):
-    ga_optax.plan_microbatch(
+    ga_optax.planning.plan_microbatch(
       _loss_fn, _params(), _batch(), budget, global_batch_size=0
     )
   with pytest.raises(TypeError, match="global_batch_size"):
-    ga_optax.plan_microbatch(
+    ga_optax.planning.plan_microbatch(
       _loss_fn, _params(), _batch(), budget, global_batch_size=8.0
     )
   with pytest.raises(ValueError, match="leading"):
-    ga_optax.plan_microbatch(
+    ga_optax.planning.plan_microbatch(
       _loss_fn,
       _params(),
       {"x": jnp.ones((3, WIDTH)), "y": jnp.ones((4, 8))},
       budget,
     )
   with pytest.raises(ValueError, match="example_batch"):
-    ga_optax.plan_microbatch(_loss_fn, _params(), {"x": jnp.ones(())}, budget)
+    ga_optax.planning.plan_microbatch(
+      _loss_fn, _params(), {"x": jnp.ones(())}, budget
+    )
   with pytest.raises(ValueError, match="micro_batch_size"):
-    ga_optax.micro_step_bytes(_loss_fn, _params(), _batch(), 0)
+    ga_optax.planning.micro_step_bytes(_loss_fn, _params(), _batch(), 0)
   # A device is a jax.Device (a compile-only TPU chip, say), not a name.
   with pytest.raises(TypeError, match="device"):
-    ga_optax.plan_microbatch(
+    ga_optax.planning.plan_microbatch(
       _loss_fn, _params(), _batch(), budget, device="tpu"
     )
 

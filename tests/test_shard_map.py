@@ -289,7 +289,7 @@ def test_microbatched_value_and_grad_reduces_after_the_scan(check_vma):
     )
   ).lower(params, batch)
   compiled = compute.compile()
-  module = testing.parse_hlo(compiled.as_text())
+  module = testing.hlo.parse_hlo(compiled.as_text())
   assert any(
     instruction.opcode == "while"
     for instructions in module.computations.values()
@@ -297,10 +297,10 @@ def test_microbatched_value_and_grad_reduces_after_the_scan(check_vma):
   ), "expected the scan over micro-batches to compile to a while"
   assert testing.loop_collectives(module) == []
   # Each device multiplies its own rows of each micro-batch.
-  dots = testing.dot_shapes(module)
+  dots = testing.hlo.dot_shapes(module)
   assert all(lhs.startswith(f"f32[{rows},") for lhs, _ in dots), dots
-  everywhere = testing.collectives_in_hlo(
-    module, testing.reachable(module, module.entry)
+  everywhere = testing.hlo.collectives_in_hlo(
+    module, testing.hlo.reachable(module, module.entry)
   )
   # After the scan: the gradient, value and weight sums, once.
   assert sum(c.operand_bytes for c in everywhere) == (tree_bytes(params) + 8), (
@@ -332,11 +332,15 @@ def test_consolidated_on_8_devices_resumes_on_2():
   for batch, flush in run[:saved_after]:
     batch = jax.device_put(batch, NamedSharding(eight, P("data")))
     params, state = step(params, state, batch, jnp.bool_(flush))
-  consolidate = functools.partial(ga_optax.consolidate, axis_name="data")
+  consolidate = functools.partial(
+    ga_optax.planning.consolidate, axis_name="data"
+  )
   state = on_each_device(consolidate, eight)(state)
   # What a checkpoint holds: host arrays, placed anew on 2 devices.
   params, state = jax.device_get((params, state))
-  split_total = functools.partial(ga_optax.split_total, axis_name="data")
+  split_total = functools.partial(
+    ga_optax.planning.split_total, axis_name="data"
+  )
   state = on_each_device(split_total, two)(state)
   step = shard_step(local_token_step(tx), two, check_vma=False)
   for batch, flush in run[saved_after:]:
@@ -451,7 +455,7 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
 
 
 @pytest.mark.parametrize(
-  "combine", [ga_optax.consolidate, ga_optax.split_total]
+  "combine", [ga_optax.planning.consolidate, ga_optax.planning.split_total]
 )
 def test_partial_sum_helpers_refuse_a_shard_map_that_checks_variance(combine):
   # With check_vma=True the window holds gradients already summed over the

@@ -419,10 +419,10 @@ def test_the_planner_compiles_for_a_tpu_chip():
     + analysis.temp_size_in_bytes
   )
   batch = {"x": jnp.zeros((1, WIDTH))}
-  on_the_chip = ga_optax.micro_step_bytes(
+  on_the_chip = ga_optax.planning.micro_step_bytes(
     loss_fn, params, batch, 32, optimizer=adam, device=chip
   )
-  on_the_cpu = ga_optax.micro_step_bytes(
+  on_the_cpu = ga_optax.planning.micro_step_bytes(
     loss_fn, params, batch, 32, optimizer=adam
   )
   assert on_the_chip == by_hand != on_the_cpu

@@ -181,11 +181,11 @@ def test_clip_adamw_fused_shards_and_checkpoints(tmp_path):
     step = unreduced_step(tx, fused=True)
     step = step.lower(params, state, first, jnp.bool_(False)).compile()
     middle, state = run_steps(step, params, state, RUN[:MIDDLE])
-    stacked = ga_optax.stack_partial_sums(state)
+    stacked = ga_optax.planning.stack_partial_sums(state)
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(tmp_path / "stacked", (middle, stacked))
       checkpointer.save(
-        tmp_path / "total", (middle, ga_optax.consolidate(state))
+        tmp_path / "total", (middle, ga_optax.planning.consolidate(state))
       )
     final, state = run_steps(step, middle, state, RUN[MIDDLE:])
     assert_finite_and_close(final, expected)
@@ -204,7 +204,7 @@ def test_clip_adamw_fused_shards_and_checkpoints(tmp_path):
 
     with ocp.StandardCheckpointer() as checkpointer:
       restored = checkpointer.restore(tmp_path / "stacked", (middle, stacked))
-    resumed = ga_optax.unstack_partial_sums(
+    resumed = ga_optax.planning.unstack_partial_sums(
       restored[1], jax.eval_shape(tx.init, params)
     )
     assert_state_split(resumed.inner_state, DEVICES)
@@ -212,11 +212,11 @@ def test_clip_adamw_fused_shards_and_checkpoints(tmp_path):
       step, restored[0], resumed, RUN[MIDDLE:]
     )
     # Unreduced leaves reach the host stacked, one partial sum per device.
-    resumed_stacked = ga_optax.stack_partial_sums(resumed_state)
+    resumed_stacked = ga_optax.planning.stack_partial_sums(resumed_state)
     chex.assert_tree_all_finite(resumed_stacked)
     chex.assert_trees_all_equal(
       (resumed_final, resumed_stacked),
-      (final, ga_optax.stack_partial_sums(state)),
+      (final, ga_optax.planning.stack_partial_sums(state)),
     )
 
   # Another device count: the state that init makes there (its rule applied
@@ -229,9 +229,9 @@ def test_clip_adamw_fused_shards_and_checkpoints(tmp_path):
     like = tx.init(params)
     with ocp.StandardCheckpointer() as checkpointer:
       middle, total = checkpointer.restore(
-        tmp_path / "total", (params, ga_optax.consolidate(like))
+        tmp_path / "total", (params, ga_optax.planning.consolidate(like))
       )
-    resumed = ga_optax.split_total(total, like)
+    resumed = ga_optax.planning.split_total(total, like)
     assert_state_split(resumed.inner_state, devices)
     final, _ = run_steps(
       unreduced_step(tx, fused=True), middle, resumed, RUN[MIDDLE:]

@@ -209,7 +209,7 @@ def path_audit(
   Args:
     program: a compiled program (``jax.jit(step).lower(...).compile()``, or
       :func:`ga_optax.testing.compile_for_gpu`'s result), its text, or a
-      module from :func:`ga_optax.testing.parse_hlo`.
+      module from :func:`ga_optax.testing.hlo.parse_hlo`.
     path: ``"micro_step"`` (the window stays open) or ``"closing"``.
     require_window: refuse a program that holds no ga_optax window. A step
       without one (``optax.MultiSteps``, a plain optimizer step) has no

@@ -250,7 +250,7 @@ def dot_shapes(hlo_text_or_module: str | HloModule) -> list[tuple[str, str]]:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from ga_optax.testing import dot_shapes
+    >>> from ga_optax.testing.hlo import dot_shapes
     >>> def predict(w, xs):  # one micro-batch of 8 rows per iteration
     ...   step = lambda total, x: (total + jnp.tanh(x @ w).sum(), None)
     ...   return jax.lax.scan(step, 0.0, xs)[0]

@@ -12,7 +12,7 @@ global batch that allows many.
 The candidate micro-batch sizes are the ones a device can run (a memory
 budget, a kernel that wants multiples of 8); ``max_micro_batch_size``
 keeps only those that fit a memory budget, for example the size that
-:func:`ga_optax.plan_microbatch` finds.
+:func:`ga_optax.planning.plan_microbatch` finds.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def elastic_plan(
 
   To plan within a memory budget, pass ``max_micro_batch_size``: the
   largest micro-batch one device can hold, for example
-  ``ga_optax.plan_microbatch(...).micro_batch_size`` (planned without a
-  ``global_batch_size``, so that it is the largest size that fits, not the
-  largest divisor of some batch). Candidates above it are left out. A
+  ``ga_optax.planning.plan_microbatch(...).micro_batch_size`` (planned
+  without a ``global_batch_size``, so that it is the largest size that fits,
+  not the largest divisor of some batch). Candidates above it are left out. A
   size limit, rather than a byte budget or a ``fits(size)`` callable, is
   enough because the bytes grow with the micro-batch size (the memory
   planner's own assumption), and it keeps the compilation of the model
@@ -94,13 +94,14 @@ def elastic_plan(
     18 examples on 3 devices: 6 per device, 2 micro-steps of 3.
 
     >>> import ga_optax
-    >>> ga_optax.elastic_plan(18, 3, (1, 2, 3))
+    >>> ga_optax.planning.elastic_plan(18, 3, (1, 2, 3))
     ElasticPlan(global_batch_size=18, num_devices=3, micro_batch_size=3,
                 num_microbatches=2)
-    >>> ga_optax.elastic_plan(18, 3, (1, 2, 3), max_micro_batch_size=2)
+    >>> ga_optax.planning.elastic_plan(
+    ...     18, 3, (1, 2, 3), max_micro_batch_size=2)
     ElasticPlan(global_batch_size=18, num_devices=3, micro_batch_size=2,
                 num_microbatches=3)
-    >>> ga_optax.elastic_plan(18, 4, (1, 2, 3))  # doctest: +ELLIPSIS
+    >>> ga_optax.planning.elastic_plan(18, 4, (1, 2, 3))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     ValueError: num_devices=4 cannot split global_batch_size=18 ... the
@@ -164,9 +165,9 @@ def valid_device_counts(
 
   Example:
     >>> import ga_optax
-    >>> ga_optax.valid_device_counts(18, (1, 2, 3), max_devices=8)
+    >>> ga_optax.planning.valid_device_counts(18, (1, 2, 3), max_devices=8)
     (1, 2, 3, 6)
-    >>> ga_optax.valid_device_counts(18, (2,), max_devices=18)
+    >>> ga_optax.planning.valid_device_counts(18, (2,), max_devices=18)
     (1, 3, 9)
   """
   global_batch_size = validation.check_positive_int(
@@ -223,17 +224,17 @@ def best_global_batch_size(
     12 runs on all four device counts.
 
     >>> import ga_optax
-    >>> ga_optax.best_global_batch_size(16, (1, 2), max_devices=4)
+    >>> ga_optax.planning.best_global_batch_size(16, (1, 2), max_devices=4)
     12
-    >>> ga_optax.valid_device_counts(12, (1, 2), max_devices=4)
+    >>> ga_optax.planning.valid_device_counts(12, (1, 2), max_devices=4)
     (1, 2, 3, 4)
 
     On 1 or 2 devices every even size runs on both; ties go to the largest
     unless ``prefer_larger=False``.
 
-    >>> ga_optax.best_global_batch_size(10, (1,), max_devices=2)
+    >>> ga_optax.planning.best_global_batch_size(10, (1,), max_devices=2)
     10
-    >>> ga_optax.best_global_batch_size(
+    >>> ga_optax.planning.best_global_batch_size(
     ...     10, (1,), max_devices=2, prefer_larger=False)
     2
   """
@@ -329,8 +330,8 @@ def _describe_valid_counts(
     return (
       "no candidate divides global_batch_size, so no device count can."
       " Choose a global batch that is a multiple of a candidate"
-      " (ga_optax.best_global_batch_size finds one that suits many device"
-      " counts)."
+      " (ga_optax.planning.best_global_batch_size finds one that suits many"
+      " device counts)."
     )
   nearest = sorted(counts, key=lambda count: abs(count - num_devices))
   listed = sorted(nearest[:_MAX_LISTED])
@@ -340,7 +341,7 @@ def _describe_valid_counts(
   return (
     f"the {len(listed)} device counts nearest to {num_devices} that can are"
     f" {shown} ({len(counts)} in all, none above global_batch_size;"
-    " ga_optax.valid_device_counts lists them)."
+    " ga_optax.planning.valid_device_counts lists them)."
   )
 
 

@@ -132,11 +132,12 @@ def micro_step_bytes(
     RuntimeError: the backend gives no compiled memory analysis.
 
   Example:
-    >>> import jax.numpy as jnp, ga_optax
+    >>> import jax.numpy as jnp
+    >>> from ga_optax.planning import micro_step_bytes
     >>> loss_fn = lambda w, batch: jnp.mean((batch["x"] @ w) ** 2)
     >>> batch = {"x": jnp.ones((4, 8))}
-    >>> small = ga_optax.micro_step_bytes(loss_fn, jnp.ones((8, 2)), batch, 1)
-    >>> large = ga_optax.micro_step_bytes(loss_fn, jnp.ones((8, 2)), batch, 64)
+    >>> small = micro_step_bytes(loss_fn, jnp.ones((8, 2)), batch, 1)
+    >>> large = micro_step_bytes(loss_fn, jnp.ones((8, 2)), batch, 64)
     >>> small < large
     True
   """
@@ -335,8 +336,8 @@ def plan_microbatch(
     >>> import jax.numpy as jnp, ga_optax
     >>> loss_fn = lambda w, batch: jnp.mean((batch["x"] @ w) ** 2)
     >>> params, batch = jnp.ones((256, 256)), {"x": jnp.ones((1, 256))}
-    >>> budget = ga_optax.micro_step_bytes(loss_fn, params, batch, 32)
-    >>> plan = ga_optax.plan_microbatch(
+    >>> budget = ga_optax.planning.micro_step_bytes(loss_fn, params, batch, 32)
+    >>> plan = ga_optax.planning.plan_microbatch(
     ...     loss_fn, params, batch, budget, global_batch_size=256)
     >>> plan.micro_batch_size * plan.num_microbatches
     256

@@ -12,10 +12,10 @@ On several devices it is also only worth having if it does not move more
 data than the large batch would. The HLO audits read a compiled step's text
 (``jax.jit(step).lower(...).compile().as_text()``): :func:`window_collectives`
 splits its collectives into those of every call and those of the branch that
-closes a window, :func:`loop_collectives` finds those inside a loop over
-micro-batches, and :func:`dot_shapes` gives the per-device operand shapes of
-its matrix products; :func:`parse_hlo`, :func:`reachable` and
-:func:`collectives_in_hlo` are the pieces they are built from.
+closes a window, and :func:`loop_collectives` finds those inside a loop over
+micro-batches. What they are built from (parsing the text, following its
+calls, listing its collectives, the shapes its matrix products see) is in
+:mod:`ga_optax.testing.hlo`, for questions of one's own.
 
 On a GPU it is only worth having if a micro-step costs less than a step of
 the optimizer: :func:`compile_for_gpu` compiles a step with the real XLA:GPU
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ga_optax._src import validation
+from ga_optax._src import deprecation, validation
 from ga_optax._src.audits.compiled_paths import (
   Copy,
   PathAudit,
@@ -64,17 +64,8 @@ from ga_optax._src.audits.gpu_conditionals import (
   EmulationUnavailable,
   gpu_conditional_audit,
 )
-from ga_optax._src.audits.hlo import (
-  Collective,
-  HloInstruction,
-  HloModule,
-  collectives_in_hlo,
-  parse_hlo,
-  reachable,
-)
 from ga_optax._src.audits.hlo_audits import (
   WindowCollectives,
-  dot_shapes,
   loop_collectives,
   window_collectives,
 )
@@ -98,41 +89,40 @@ from ga_optax._src.audits.tree_difference import (
   relative_difference,
 )
 from ga_optax._src.window.transform import accumulate
+from ga_optax.testing import hlo
 
 __all__ = [
-  "Collective",
   "ConditionalAudit",
   "Copy",
   "EmulationUnavailable",
   "EquivalenceResult",
   "GpuCompilerUnavailable",
-  "HloInstruction",
-  "HloModule",
   "HostWaits",
   "PathAudit",
   "TpuCompilerUnavailable",
   "WindowCollectives",
   "assert_equivalent_to_large_batch",
-  "collectives_in_hlo",
   "compare_with_large_batch",
   "compile_for_gpu",
   "compile_for_tpu",
   "count_host_waits",
-  "dot_shapes",
   "gpu_conditional_audit",
   "gpu_devices",
+  "hlo",
   "host_waits",
   "loop_collectives",
   "max_relative_difference",
-  "parse_hlo",
   "path_audit",
-  "reachable",
   "tpu_devices",
   "window_collectives",
   "window_sides",
 ]
 
 LossFn = Callable[[optax.Params, Any], jax.Array]
+
+# The names of ga_optax.testing.hlo were ga_optax.testing's up to 0.2.0:
+# they are still found here, with a warning.
+__getattr__ = deprecation.moved_names(__name__, hlo)
 
 
 class EquivalenceResult(NamedTuple):

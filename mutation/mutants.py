@@ -192,8 +192,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         WINDOW,
-        "closes = schedule.closes(micro_step >= every_k, flush)",
-        "closes = schedule.closes(micro_step > every_k, flush)",
+        "closes = schedule.closes(micro_steps >= every_k, flush)",
+        "closes = schedule.closes(micro_steps > every_k, flush)",
       ),
     ),
     tests=("tests/test_accumulate.py",),
@@ -238,7 +238,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "update_step=increment_if(state.update_step, stepped),",
+        "update_step=increment_if(state.update_step, closed.stepped),",
         "update_step=increment_if(state.update_step, jnp.asarray(True)),",
       ),
     ),
@@ -306,8 +306,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        '      "accumulator": opened["accumulator"],\n',
-        '      "accumulator": micro_step.accumulator,\n',
+        "      accumulator=accumulator,\n",
+        "      accumulator=micro_step.accumulator,\n",
       ),
     ),
     tests=(
@@ -324,8 +324,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        '      "noise": opened["noise"],\n',
-        '      "noise": micro_step.state.noise_scale,\n',
+        "      parts=added_parts,\n",
+        "      parts=micro_step.state.parts,\n",
       ),
     ),
     tests=("tests/test_noise_scale.py::test_one_device_matches_numpy",),
@@ -522,6 +522,22 @@ MUTANTS: tuple[Mutant, ...] = (
   ),
   # Host memory.
   Mutant(
+    name="a_part_never_restarts",
+    guarantee="the window's parts (each restarts after every close)",
+    defect="the window's parts keep the closed window's sums: a part's"
+    " next window starts from the last one's",
+    edits=(
+      Edit(
+        MICRO_STEP,
+        "        part.restart(value)\n",
+        "        value\n",
+      ),
+    ),
+    tests=(
+      "tests/test_window_parts.py::test_one_device_carries_the_new_part_beside_the_noise_scale",
+    ),
+  ),
+  Mutant(
     name="accumulator_left_on_device",
     guarantee="host memory (accumulator_memory_kind)",
     defect="update brings the accumulator to the device to add, and does"
@@ -529,8 +545,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        '    accumulator=window.accumulator_home.keep(\n      micro_step.cleared(closed["accumulator"])\n    ),\n',
-        '    accumulator=micro_step.cleared(closed["accumulator"]),\n',
+        "    accumulator=window.accumulator_home.keep(\n      micro_step.cleared(closed.accumulator)\n    ),\n",
+        "    accumulator=micro_step.cleared(closed.accumulator),\n",
       ),
     ),
     tests=(
@@ -545,7 +561,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "full=micro_step.decision.micro_step >= every_k,",
+        "full=decision.micro_steps >= decision.every_k,",
         "full=jnp.asarray(True),",
       ),
     ),
@@ -630,8 +646,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "      update_step=increment_if(micro_step.state.update_step, jnp.asarray(True)),",
-        "      update_step=micro_step.state.update_step,",
+        "        update_step=increment_if(\n          micro_step.state.update_step, jnp.asarray(True)\n        ),",
+        "        update_step=micro_step.state.update_step,",
       ),
     ),
     tests=(
@@ -697,9 +713,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "      updates, every_k, window.window_length.first()\n",
-        "      updates, micro_step.decision.micro_step,"
-        " window.window_length.first()\n",
+        "      updates, decision.every_k, window.window_length.first()\n",
+        "      updates, decision.micro_steps, window.window_length.first()\n",
       ),
     ),
     tests=(
@@ -1087,13 +1102,13 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         PARTIAL_SUMS,
-        "  return (state.weight_sum, noise.terms)\n",
-        "  return (state.weight_sum, noise.terms.square_sum, noise.terms.weight)\n",
+        "    part.terms for part in state.parts if isinstance(part, WindowNoise)\n",
+        "    (part.terms.square_sum, part.terms.weight)\n    for part in state.parts\n    if isinstance(part, WindowNoise)\n",
       ),
       Edit(
         PARTIAL_SUMS,
-        "  noise = state.noise_scale._replace(terms=sums[1])\n",
-        "  terms = state.noise_scale.terms._replace(square_sum=sums[1], weight=sums[2])\n  noise = state.noise_scale._replace(terms=terms)\n",
+        "      part._replace(terms=next(terms))\n",
+        "      part._replace(\n        terms=part.terms._replace(**dict(zip(('square_sum', 'weight'), next(terms))))\n      )\n",
       ),
     ),
     tests=(
@@ -1110,15 +1125,13 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         PARTIAL_SUMS,
-        "  noise = state.noise_scale\n  if noise is None:\n    return (state.weight_sum,)\n  return (state.weight_sum, noise.terms)\n",
-        "  return (state.weight_sum,)\n",
+        "  noise_terms = tuple(\n    part.terms for part in state.parts if isinstance(part, WindowNoise)\n  )\n",
+        "  noise_terms = ()\n",
       ),
       Edit(
         PARTIAL_SUMS,
-        "  state = state._replace(weight_sum=sums[0])\n"
-        "  if state.noise_scale is None:\n"
-        "    return state\n",
-        "  return state._replace(weight_sum=sums[0])\n",
+        "      part._replace(terms=next(terms))\n",
+        "      part\n",
       ),
     ),
     tests=(
@@ -1544,7 +1557,11 @@ MUTANTS: tuple[Mutant, ...] = (
     defect="the step that closes a window leaves the window's sums in the"
     " accumulator, so the next window adds to them",
     edits=(
-      Edit(MICRO_STEP, "      **self.emptied(carry),\n", "      **carry,\n"),
+      Edit(
+        MICRO_STEP,
+        "    emptied = self.emptied(carry)\n",
+        "    emptied = carry\n",
+      ),
     ),
     tests=(
       "tests/test_accumulate.py::AccumulateTest",

@@ -789,7 +789,7 @@ def test_consolidating_partial_sums_keeps_k():
     axis_name="data",
   )
   state = tx.init({"w": jnp.zeros(3)})._replace(every_k=jnp.int32(4))
-  assert int(ga_optax.current_k(ga_optax.consolidate(state))) == 4
+  assert int(ga_optax.current_k(ga_optax.planning.consolidate(state))) == 4
 
 
 # Bad configurations, refused by name.

@@ -352,30 +352,6 @@ class NoiseTermsPart:
     )
 
 
-class Unmeasured:
-  """``noise_scale_decay=None``: nothing measured, nothing kept, no cost."""
-
-  def init(self, held: Any) -> None:
-    del held
-
-  def add(self, noise: Any, micro_batch: Any) -> None:
-    del noise, micro_batch
-
-  def close(
-    self,
-    noise: Any,
-    mean_grads: Any,
-    held: Any,
-    *,
-    inner_states: tuple[Any, Any],
-  ) -> tuple[None, None]:
-    del noise, mean_grads, held, inner_states
-    return None, None
-
-  def reset(self, noise: Any, closes: jax.Array) -> None:
-    del noise, closes
-
-
 # (inner_state, new_inner_state) -> (scale, kept): see Measured.units.
 GradientUnits = Callable[[Any, Any], tuple[jax.Array, jax.Array]]
 
@@ -388,12 +364,26 @@ def same_units(
   return jnp.ones((), jnp.float32), jnp.asarray(True)
 
 
-class Measured:
-  """Measures the window's noise scale, smoothing with ``decay``.
+class NoiseReport(NamedTuple):
+  """What a closed window tells of the noise scale, for the next window's k.
 
-  The window adds each micro-step's :class:`NoiseTermsPart`, on the device
-  that computed it; the closing side closes the part (over every device),
-  and folds the window's estimates into the averages.
+  Attributes:
+    averages: the averages, this window folded in.
+    micro_gradients: K, the window's micro-gradients of positive weight
+      over every device.
+  """
+
+  averages: NoiseScaleAverages
+  micro_gradients: jax.Array
+
+
+class Measured:
+  """The gradient noise scale as a part of the window (``noise_scale_decay``).
+
+  Its value is a :class:`WindowNoise`: the open window's
+  :class:`NoiseTermsPart` sums, added on the device that computed each
+  micro-gradient, and the averages over the windows closed so far, into
+  which each closing window's estimates (over every device) are folded.
 
   Attributes:
     decay: the averages' decay.
@@ -418,34 +408,17 @@ class Measured:
     return noise._replace(terms=terms)
 
   def close(
-    self,
-    noise: WindowNoise,
-    mean_grads: Any,
-    held: parts.Held,
-    *,
-    inner_states: tuple[Any, Any],
-  ) -> tuple[WindowNoise, jax.Array]:
-    """The averages with the closing window's estimates folded in.
-
-    Args:
-      noise: the open window's sums and the averages so far.
-      mean_grads: the window's reduced mean gradient.
-      held: where the window's sums are held.
-      inner_states: the wrapped optimizer's state before and after its
-        step on this window, for :attr:`units`.
-
-    Returns:
-      The noise state, and K, the window's micro-gradients over every
-      device.
-    """
-    # Combined here, once: K is wanted beside the estimates.
-    terms = held.combine(noise.terms, "sum")
+    self, noise: WindowNoise, closing: parts.WindowClosing
+  ) -> tuple[WindowNoise, NoiseReport]:
+    """The averages with the closing window's estimates folded in."""
+    # Combined here, once: K is reported beside the estimates.
+    terms = closing.held.combine(noise.terms, "sum")
     estimate = NoiseTermsPart().close(
-      terms, parts.Closing(mean_grads, terms.weight)
+      terms, parts.Closing(closing.mean_grads, terms.weight)
     )
     # Both estimates are linear in the squares: divided by the units'
     # square, they are in the gradients' own units.
-    scale, kept = self.units(*inner_states)
+    scale, kept = self.units(*closing.inner_states)
     units_squared = jnp.square(jnp.asarray(scale, jnp.float32))
     estimate = NoiseScaleEstimate(
       grad_sq=estimate.grad_sq / units_squared,
@@ -453,13 +426,9 @@ class Measured:
       measured=estimate.measured & kept,
     )
     smoothed = smooth(noise.smoothed, estimate, self.decay)
-    return noise._replace(smoothed=smoothed), terms.micro_gradients
+    report = NoiseReport(smoothed, terms.micro_gradients)
+    return noise._replace(smoothed=smoothed), report
 
-  def reset(self, noise: WindowNoise, closes: jax.Array) -> WindowNoise:
-    """The sums emptied where the window closed."""
-    return noise._replace(
-      terms=jax.tree.map(
-        lambda term: jnp.where(closes, jnp.zeros_like(term), term),
-        noise.terms,
-      )
-    )
+  def restart(self, noise: WindowNoise) -> WindowNoise:
+    """The sums emptied; the averages kept."""
+    return noise._replace(terms=jax.tree.map(jnp.zeros_like, noise.terms))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -201,3 +201,90 @@ def across_axes(value: Any, combine: Combine, axes: Any) -> Any:
   if combine == "sum":
     return jax.lax.psum(value, axes)
   return jax.lax.pmax(value, axes)
+
+
+class WindowClosing(NamedTuple):
+  """What a window's part reads when the window closes with a step.
+
+  Attributes:
+    mean_grads: the window's reduced mean gradient, over every device.
+    weight: the window's weight, over every device.
+    held: where the part's sums are held; its ``combine`` makes each
+      device's sums the window's.
+    inner_states: the wrapped optimizer's state before and after its step
+      on this window (a loss scale there says the gradients' units).
+  """
+
+  mean_grads: Any
+  weight: jax.Array
+  held: Held
+  inner_states: tuple[Any, Any]
+
+
+class WindowPart(Protocol):
+  """A part the window (:mod:`ga_optax._src.window`) carries from call to call.
+
+  Its value lives in the state (``AccumulateState.parts``): the open
+  window's sums, and whatever the part keeps of the windows closed so far
+  (the noise scale's averages). The window adds every micro-step where it
+  adds the gradient, closes the part where it steps the wrapped optimizer,
+  and restarts it after every close, with a step or without.
+  """
+
+  def init(self, held: Held) -> Any:
+    """The value of a run that has no micro-step yet."""
+    ...
+
+  def add(self, value: Any, micro_batch: MicroBatch) -> Any:
+    """``value`` with one micro-batch added."""
+    ...
+
+  def close(self, value: Any, closing: WindowClosing) -> tuple[Any, Any]:
+    """``(value, report)`` when the window closes with a step.
+
+    The value keeps what the part carries past the window; the report is
+    what this window tells the strategies that read it, such as the next
+    window's k (see ``ClosedWindow.report``).
+    """
+    ...
+
+  def restart(self, value: Any) -> Any:
+    """``value`` with the window's sums emptied, after it closes."""
+    ...
+
+
+Report = TypeVar("Report")
+
+
+class ClosedWindow(NamedTuple):
+  """A window that has closed with a step, as what follows it reads it.
+
+  Attributes:
+    k: the window's k.
+    update_step: updates applied, this window's included.
+    weight: the window's total weight, over every device.
+    full: whether it closed by count (not by a flush, nor by the host's
+      word before its k).
+    reports: what each of the window's parts reported when it closed
+      (:meth:`WindowPart.close`), in the window's order of parts.
+  """
+
+  k: jax.Array
+  update_step: jax.Array
+  weight: jax.Array
+  full: jax.Array
+  reports: tuple[Any, ...]
+
+  def report(self, kind: type[Report]) -> Report:
+    """The one report of type ``kind``.
+
+    Raises:
+      ValueError: no part, or several, reported one.
+    """
+    found = [report for report in self.reports if isinstance(report, kind)]
+    if len(found) != 1:
+      raise ValueError(
+        f"the closed window holds {len(found)} reports of type"
+        f" {kind.__name__}, not one."
+      )
+    return found[0]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from ga_optax._src import validation
 from ga_optax._src.algebra import noise_scale as noise_lib
+from ga_optax._src.algebra import parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,29 +62,18 @@ class AdaptiveK:
     del update_step
     return every_k
 
-  def next(
-    self,
-    k: jax.Array,
-    *,
-    update_step: jax.Array,
-    noise: noise_lib.NoiseScaleAverages,
-    micro_gradients: jax.Array,
-    window_weight: jax.Array,
-    full: jax.Array,
-  ) -> jax.Array:
+  def next(self, closed: parts.ClosedWindow) -> jax.Array:
     """The next window's k, from the window that just closed.
 
-    Args:
-      k: the closing window's k.
-      update_step: updates applied, this one included (unused here).
-      noise: the noise scale's averages, this window folded in.
-      micro_gradients: K, the closing window's micro-gradients of positive
-        weight over every device.
-      window_weight: W, the closing window's total weight (all devices).
-      full: whether the window closed by count (a flushed one moves
-        nothing: its weight is not the batch k stands for).
+    Reads the window's k, its total weight W over every device, whether
+    it closed by count (a flushed one moves nothing: its weight is not the
+    batch k stands for), and the noise scale's report: the averages with
+    this window folded in, and K, its micro-gradients of positive weight
+    over every device.
     """
-    del update_step
+    k, window_weight, full = closed.k, closed.weight, closed.full
+    report = closed.report(noise_lib.NoiseReport)
+    noise, micro_gradients = report.averages, report.micro_gradients
     b_simple = noise_lib.read(noise).b_simple
     window_weight = window_weight.astype(b_simple.dtype)
     # The first windows' averages rest on a few noisy estimates (one

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ga_optax._src import validation
+from ga_optax._src.algebra import parts
 from ga_optax._src.batch_size.adaptive import AdaptiveK
 
 EveryKSchedule = Callable[[jax.Array], jax.Array]
@@ -37,28 +38,8 @@ class WindowLength(Protocol):
     """The open window's k, from the state's k and applied-update count."""
     ...
 
-  def next(
-    self,
-    k: jax.Array,
-    *,
-    update_step: jax.Array,
-    noise: Any,
-    micro_gradients: Any,
-    window_weight: jax.Array,
-    full: jax.Array,
-  ) -> jax.Array:
-    """The next window's k, when a window of ``k`` has closed.
-
-    Args:
-      k: the closing window's k.
-      update_step: updates applied, the closing window's included.
-      noise: the noise scale's averages with the window folded in (None
-        when it is not measured).
-      micro_gradients: the window's micro-gradients of positive weight over
-        every device (None when the noise scale is not measured).
-      window_weight: the window's total weight over every device.
-      full: whether the window closed by count rather than by a flush.
-    """
+  def next(self, closed: parts.ClosedWindow) -> jax.Array:
+    """The next window's k, when ``closed`` has closed with a step."""
     ...
 
 
@@ -80,18 +61,8 @@ class Scheduled:
     del every_k
     return self.schedule(update_step)
 
-  def next(
-    self,
-    k: jax.Array,
-    *,
-    update_step: jax.Array,
-    noise: Any,
-    micro_gradients: Any,
-    window_weight: jax.Array,
-    full: jax.Array,
-  ) -> jax.Array:
-    del k, noise, micro_gradients, window_weight, full
-    return self.schedule(update_step)
+  def next(self, closed: parts.ClosedWindow) -> jax.Array:
+    return self.schedule(closed.update_step)
 
 
 MAX_COUNT = validation.MAX_COUNT

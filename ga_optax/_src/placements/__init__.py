@@ -77,8 +77,13 @@ class Parallel(Protocol):
     """``scalar`` typed so that it may multiply the accumulator."""
     ...
 
-  def carriers(self, accumulator: Any, grads: Any) -> dict[str, Any]:
-    """Operands of the updates' sharding that may carry them (by name)."""
+  @property
+  def carries_updates(self) -> bool:
+    """Whether the accumulator and gradients, as held, may carry the updates.
+
+    They may where they have the updates' sharding: the closing side then
+    writes the updates into one of them, in place.
+    """
     ...
 
   def reduce(self, accumulator: Any, params: Any) -> Any:

@@ -52,8 +52,9 @@ class Local(parts.OnThisDevice):
   def factor(self, scalar: Any) -> Any:
     return scalar
 
-  def carriers(self, accumulator: Any, grads: Any) -> dict[str, Any]:
-    return {"accumulator": accumulator, "grads": grads}
+  @property
+  def carries_updates(self) -> bool:
+    return True
 
   def window_weight(self, weight_sum: jax.Array) -> jax.Array:
     return weight_sum

@@ -153,10 +153,10 @@ class Unreduced:
   def factor(self, scalar: Any) -> Any:
     return axes_lib.as_reduced(scalar, self.unreduced_axes)
 
-  def carriers(self, accumulator: Any, grads: Any) -> dict[str, Any]:
+  @property
+  def carries_updates(self) -> bool:
     # Both are unreduced; the updates are not: no buffer can carry them.
-    del accumulator, grads
-    return {}
+    return False
 
   def window_weight(self, weight_sum: jax.Array) -> jax.Array:
     # The micro-step's weight is the global one (the batch's, not a device's).

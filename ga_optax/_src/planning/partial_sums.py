@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from ga_optax._src.algebra.noise_scale import WindowNoise
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.placements import residency
 from ga_optax._src.window.state import AccumulateState
@@ -72,7 +73,7 @@ def stack_partial_sums(tree: Any) -> Any:
     >>> with jax.set_mesh(jax.make_mesh((1,), ("data",))):
     ...   tx = ga_optax.accumulate(optax.sgd(0.1), 4, unreduced_axes="data")
     ...   state = tx.init(jnp.zeros(3))
-    ...   saved = ga_optax.stack_partial_sums(state)
+    ...   saved = ga_optax.planning.stack_partial_sums(state)
     >>> saved.accumulator.shape, state.accumulator.shape
     ((1, 3), (3,))
   """
@@ -230,19 +231,25 @@ def split_total(tree: Any, like: Any = None, axis_name: Any = None) -> Any:
 
 def _window_sums(state: AccumulateState) -> Any:
   """The open window's scalar sums kept per device: weights, noise terms."""
-  noise = state.noise_scale
-  if noise is None:
-    return (state.weight_sum,)
-  return (state.weight_sum, noise.terms)
+  noise_terms = tuple(
+    part.terms for part in state.parts if isinstance(part, WindowNoise)
+  )
+  return (state.weight_sum, noise_terms)
 
 
 def _with_window_sums(state: AccumulateState, sums: Any) -> AccumulateState:
   """``state`` with the sums of :func:`_window_sums` replaced."""
-  state = state._replace(weight_sum=sums[0])
-  if state.noise_scale is None:
-    return state
-  noise = state.noise_scale._replace(terms=sums[1])
-  return state._replace(noise_scale=noise)
+  weight_sum, noise_terms = sums
+  terms = iter(noise_terms)
+  return state._replace(
+    weight_sum=weight_sum,
+    parts=tuple(
+      part._replace(terms=next(terms))
+      if isinstance(part, WindowNoise)
+      else part
+      for part in state.parts
+    ),
+  )
 
 
 def _untracked_axes(axis_name: Any, caller: str) -> axes_lib.Axes:

@@ -5,7 +5,7 @@
 across devices (:func:`ga_optax._src.placements.resolve`), where the
 accumulator and the optimizer state are kept
 (:class:`~ga_optax._src.placements.residency.Residency`), the output, and
-whether the gradient noise scale is measured. :func:`initializer` and
+the parts it sums beside the gradient. :func:`initializer` and
 :func:`compiled_step` are the window's ``init`` and ``update`` as
 ``accumulate`` and ``accumulate_and_apply`` hand them out.
 """
@@ -109,9 +109,9 @@ def resolve(
       refused_in_reverse_mode=in_shard_map,
     ),
     output=output,
-    noise=noise_scale.Unmeasured()
+    parts=()
     if decay is None
-    else noise_scale.Measured(decay, units=loss_scaling.gradient_units),
+    else (noise_scale.Measured(decay, units=loss_scaling.gradient_units),),
   )
 
 

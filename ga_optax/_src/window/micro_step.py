@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,7 @@ from ga_optax._src.algebra import fp8, parts, weights
 from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.placements import residency
 from ga_optax._src.window import schedule as schedule_lib
+from ga_optax._src.window.output import Carrier
 from ga_optax._src.window.state import AccumulateState, check_state
 from ga_optax._src.window.window import Admitted, Decision, Window
 
@@ -82,32 +83,54 @@ def update(
     extra_args,
     accumulator=residency.to_device_after(state.accumulator, grads),
   )
-  opened = micro_step.keep_open()
   closing_side = ClosingSide(micro_step)
   closed = schedule.close_window(
-    decision.closes, closing_side.close, closing_side.carry(opened)
+    decision.closes, closing_side.close, closing_side.carry()
   )
-  stepped = closed["stepped"]
-  output = micro_step.emit(closed[micro_step.carrier], stepped)
+  output = micro_step.emit(closing_side.output(closed), closed.stepped)
   new_state = AccumulateState(
-    micro_step=jnp.where(decision.closes, 0, decision.micro_step),
-    update_step=increment_if(state.update_step, stepped),
-    every_k=closed["every_k"],
+    micro_step=jnp.where(decision.closes, 0, decision.micro_steps),
+    update_step=increment_if(state.update_step, closed.stepped),
+    every_k=closed.every_k,
     num_skipped=increment_if(state.num_skipped, ~admitted.accepted),
-    emitted=stepped,
+    emitted=closed.stepped,
     weight_sum=jnp.where(
       decision.closes,
       jnp.zeros_like(admitted.weight_sum),
       admitted.weight_sum,
     ),
     accumulator=window.accumulator_home.keep(
-      micro_step.cleared(closed["accumulator"])
+      micro_step.cleared(closed.accumulator)
     ),
-    inner_state=closed["inner_state"],
-    noise_scale=closed["noise"],
+    inner_state=closed.inner_state,
+    parts=closed.parts,
     fp8_window=state.fp8_window,
   )
   return output, new_state
+
+
+class Carry(NamedTuple):
+  """What the closing side writes, each buffer in place.
+
+  Attributes:
+    accumulator: the window's sum (and the output's buffer, where the
+      output's carrier is the accumulator).
+    inner_state: the wrapped optimizer's state.
+    parts: each of the window's parts' values.
+    every_k: the state's k: a schedule's k is a constant, and a constant
+      output frees its donated buffer, which JAX may then pair with an
+      output in another memory kind; carried, it is written only when the
+      window closes.
+    stepped: whether the wrapped optimizer stepped.
+    output: the output's buffer, unless it is the accumulator (None then).
+  """
+
+  accumulator: optax.Updates
+  inner_state: optax.OptState
+  parts: tuple[Any, ...]
+  every_k: jax.Array
+  stepped: jax.Array
+  output: Any
 
 
 @dataclasses.dataclass
@@ -160,12 +183,15 @@ class MicroStep:
     return jax.eval_shape(inner_updates, self.grads)
 
   @functools.cached_property
-  def carrier(self) -> str:
+  def carrier(self) -> Carrier:
     """The buffer the closing side writes its output into."""
-    carriers = self.window.parallel.carriers(self.accumulator, self.grads)
-    return self.window.output.carrier(
-      self.updates_like, self.schedule.carriers(carriers)
-    )
+    carriers = {}
+    if self.window.parallel.carries_updates and self.schedule.carries_buffers:
+      carriers = {
+        Carrier.ACCUMULATOR: self.accumulator,
+        Carrier.GRADS: self.grads,
+      }
+    return self.window.output.carrier(self.updates_like, carriers)
 
   def added(self, accumulator: optax.Updates, grads: optax.Updates) -> Any:
     """``accumulator`` with ``weight * grads`` added: a plain add.
@@ -185,24 +211,21 @@ class MicroStep:
 
     return jax.tree.map(add_grad, accumulator, grads)
 
-  def micro_batch(self, grads: optax.Updates) -> parts.MicroBatch:
-    """This micro-step as a part of the window adds it."""
-    return parts.MicroBatch.of(
-      grads,
+  def added_parts(self) -> tuple[Any, ...]:
+    """Each part's value with this micro-step added."""
+    window = self.window
+    if not window.parts:
+      return ()
+    micro_batch = parts.MicroBatch.of(
+      self.grads,
       self.weight,
       self.admitted.accepted,
-      functools.partial(self.window.parallel.own_gradients, grads),
+      functools.partial(window.parallel.own_gradients, self.grads),
     )
-
-  def keep_open(self) -> dict[str, Any]:
-    """The gradient added, outside any branch: the accumulator, the noise."""
-    # None where the noise scale is not measured: Unmeasured adds nothing.
-    noise: Any = self.state.noise_scale
-    with jax.named_scope(scopes.KEEP_OPEN):
-      return {
-        "accumulator": self.added(self.accumulator, self.grads),
-        "noise": self.window.noise.add(noise, self.micro_batch(self.grads)),
-      }
+    return tuple(
+      part.add(value, micro_batch)
+      for part, value in zip(window.parts, self.state.parts, strict=True)
+    )
 
   def emit(self, output: Any, stepped: jax.Array) -> Any:
     """The closing side's output as the caller sees it."""
@@ -217,7 +240,7 @@ class MicroStep:
     updates out: those are read first, then the buffer is zeroed in place,
     by a branch of its own that a micro-step skips.
     """
-    if self.carrier != "accumulator":
+    if self.carrier is not Carrier.ACCUMULATOR:
       return accumulator
     return self.schedule.branch(
       self.decision.closes,
@@ -233,9 +256,9 @@ class ClosingSide:
 
   It reduces the window over the devices, normalises it and steps the
   wrapped optimizer once, writing its output (updates, or new params) into
-  the micro-step's carrier buffer; it decides the next window's k, and
-  leaves the accumulator at zero. A window that holds no weight closes
-  without a step.
+  the micro-step's carrier buffer; it closes the window's parts, decides
+  the next window's k, and leaves the accumulator at zero. A window that
+  holds no weight closes without a step.
 
   Attributes:
     micro_step: the micro-step it is a side of.
@@ -243,30 +266,48 @@ class ClosingSide:
 
   micro_step: MicroStep
 
-  def carry(self, opened: dict[str, Any]) -> dict[str, Any]:
-    """What closing the window writes, its output's buffer among them."""
+  def carry(self) -> Carry:
+    """The gradient added, outside any branch, and what closing may write."""
     micro_step = self.micro_step
-    carry = {
-      "accumulator": opened["accumulator"],
-      "inner_state": micro_step.window.inner_state_home.keep(
+    with jax.named_scope(scopes.KEEP_OPEN):
+      accumulator = micro_step.added(micro_step.accumulator, micro_step.grads)
+      added_parts = micro_step.added_parts()
+    return Carry(
+      accumulator=accumulator,
+      inner_state=micro_step.window.inner_state_home.keep(
         micro_step.state.inner_state
       ),
-      "noise": opened["noise"],
-      # The state's own buffer, written only when the window closes: a
-      # schedule's k is a constant, and a constant output frees its donated
-      # buffer, which JAX may then pair with an output in another memory kind.
-      "every_k": micro_step.state.every_k,
-      "stepped": jnp.zeros((), jnp.bool_),
-    }
-    if micro_step.carrier == "grads":
-      carry["grads"] = micro_step.grads
-    elif micro_step.carrier == "params":
-      carry["params"] = micro_step.params
-    elif micro_step.carrier == "zeros":
-      carry["zeros"] = optax.tree.zeros_like(micro_step.updates_like)
-    return carry
+      parts=added_parts,
+      every_k=micro_step.state.every_k,
+      stepped=jnp.zeros((), jnp.bool_),
+      output=self.initial_output(),
+    )
 
-  def close(self, carry: dict[str, Any]) -> dict[str, Any]:
+  def initial_output(self) -> Any:
+    """The output's buffer as the closing side finds it."""
+    micro_step = self.micro_step
+    match micro_step.carrier:
+      case Carrier.GRADS:
+        return micro_step.grads
+      case Carrier.PARAMS:
+        return micro_step.params
+      case Carrier.ZEROS:
+        return optax.tree.zeros_like(micro_step.updates_like)
+    return None  # the accumulator: carried as such
+
+  def output(self, carry: Carry) -> Any:
+    """The output's buffer in ``carry``."""
+    if self.micro_step.carrier is Carrier.ACCUMULATOR:
+      return carry.accumulator
+    return carry.output
+
+  def with_output(self, carry: Carry, output: Any) -> Carry:
+    """``carry`` with ``output`` written into the output's buffer."""
+    if self.micro_step.carrier is Carrier.ACCUMULATOR:
+      return carry._replace(accumulator=output)
+    return carry._replace(output=output)
+
+  def close(self, carry: Carry) -> Carry:
     """The closing side: step the optimizer once if the window has weight."""
     micro_step = self.micro_step
     window, schedule = micro_step.window, micro_step.schedule
@@ -278,20 +319,22 @@ class ClosingSide:
       carry,
       name=scopes.CLOSE_WINDOW,
     )
-    if micro_step.carrier != "accumulator":
+    if micro_step.carrier is not Carrier.ACCUMULATOR:
       # A window without weight leaves its sums: the next starts from zero.
       closed = schedule.branch(
         ~has_weight, self.emptied, closed, name=scopes.EMPTY_WINDOW
       )
-    return {
-      **closed,
-      "noise": window.noise.reset(closed["noise"], jnp.asarray(True)),
-    }
+    return closed._replace(
+      parts=tuple(
+        part.restart(value)
+        for part, value in zip(window.parts, closed.parts, strict=True)
+      )
+    )
 
-  def emptied(self, carry: dict[str, Any]) -> dict[str, Any]:
+  def emptied(self, carry: Carry) -> Carry:
     """``carry`` with its accumulator at zero, written in place."""
     parallel = self.micro_step.window.parallel
-    return {**carry, "accumulator": parallel.emptied(carry["accumulator"])}
+    return carry._replace(accumulator=parallel.emptied(carry.accumulator))
 
   def mean(self, sums: Any, total_weight: jax.Array) -> Any:
     """The window's reduced gradient, in the gradients' dtypes."""
@@ -303,9 +346,7 @@ class ClosingSide:
       lambda total, grad: total.astype(grad.dtype), sums, micro_step.grads
     )
 
-  def step_inner(
-    self, total_weight: jax.Array, carry: dict[str, Any]
-  ) -> dict[str, Any]:
+  def step_inner(self, total_weight: jax.Array, carry: Carry) -> Carry:
     """The wrapped optimizer's one step on the window's mean (or sum).
 
     Normalised here, inside the branch, so that the scaling is done in the
@@ -313,29 +354,33 @@ class ClosingSide:
     at zero (unless its buffer carries the updates out).
     """
     micro_step = self.micro_step
-    window = micro_step.window
-    params = carry.get("params", micro_step.params)
+    window, decision = micro_step.window, micro_step.decision
+    params = (
+      carry.output
+      if micro_step.carrier is Carrier.PARAMS
+      else micro_step.params
+    )
     # Reduced here, from the carry: the one reduction of the window runs
     # only where it steps, and reads the buffer it then overwrites.
     reduced = self.mean(
-      window.parallel.reduce(carry["accumulator"], params), total_weight
+      window.parallel.reduce(carry.accumulator, params), total_weight
     )
     # A state kept in host memory visits the device here, and only here.
-    inner_state = residency.to_device(carry["inner_state"])
+    inner_state = residency.to_device(carry.inner_state)
     updates, new_inner_state = window.parallel.inner_update(
       window.inner, reduced, inner_state, params, micro_step.extra_args
     )
-    every_k = micro_step.decision.every_k
     updates = window.lr_scaling.apply(
-      updates, every_k, window.window_length.first()
+      updates, decision.every_k, window.window_length.first()
     )
-    # Measured in the gradients' own units: the wrapped optimizer's states
-    # tell a loss scale, and a window it dropped.
-    noise, micro_gradients = window.noise.close(
-      carry["noise"],
-      reduced,
-      window.parallel,
-      inner_states=(inner_state, new_inner_state),
+    # Each part reads the window over every device; the wrapped optimizer's
+    # states tell a loss scale, and a window it dropped.
+    closing = parts.WindowClosing(
+      reduced, total_weight, window.parallel, (inner_state, new_inner_state)
+    )
+    values, reports = _unzip(
+      part.close(value, closing)
+      for part, value in zip(window.parts, carry.parts, strict=True)
     )
     # Gradients wider than the params (float32 for bfloat16, say) would
     # widen the optimizer's state; it keeps its dtypes from call to call.
@@ -343,23 +388,34 @@ class ClosingSide:
       _with_dtypes_of(new_inner_state, inner_state)
     )
     next_k = window.window_length.next(
-      every_k,
-      update_step=increment_if(micro_step.state.update_step, jnp.asarray(True)),
-      noise=getattr(noise, "smoothed", None),
-      micro_gradients=micro_gradients,
-      window_weight=total_weight,
-      full=micro_step.decision.micro_step >= every_k,
+      parts.ClosedWindow(
+        k=decision.every_k,
+        update_step=increment_if(
+          micro_step.state.update_step, jnp.asarray(True)
+        ),
+        weight=total_weight,
+        full=decision.micro_steps >= decision.every_k,
+        reports=reports,
+      )
     )
-    return {
-      **self.emptied(carry),
-      micro_step.carrier: window.output.closing_output(
-        updates, params, carry[micro_step.carrier]
-      ),
-      "inner_state": new_inner_state,
-      "noise": noise,
-      "every_k": next_k,
-      "stepped": jnp.ones((), jnp.bool_),
-    }
+    emptied = self.emptied(carry)
+    output = window.output.closing_output(updates, params, self.output(carry))
+    return self.with_output(emptied, output)._replace(
+      inner_state=new_inner_state,
+      parts=values,
+      every_k=next_k,
+      stepped=jnp.ones((), jnp.bool_),
+    )
+
+
+def _unzip(pairs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """``((a, b), (c, d))`` as ``((a, c), (b, d))``; two empty tuples for none."""
+  firsts: list[Any] = []
+  seconds: list[Any] = []
+  for first, second in pairs:
+    firsts.append(first)
+    seconds.append(second)
+  return tuple(firsts), tuple(seconds)
 
 
 def _with_dtypes_of(tree: Any, like: Any) -> Any:

@@ -11,11 +11,26 @@ sees.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
+
+class Carrier(enum.Enum):
+  """The buffer the closing side writes its output into.
+
+  ``ACCUMULATOR``: the window's sum, read by the optimizer by then;
+  ``GRADS``: the micro-step's gradients, dead once added; ``PARAMS``: the
+  params; ``ZEROS``: zeros made for the output, where no buffer fits.
+  """
+
+  ACCUMULATOR = enum.auto()
+  GRADS = enum.auto()
+  PARAMS = enum.auto()
+  ZEROS = enum.auto()
 
 
 class EmitUpdates:
@@ -30,12 +45,12 @@ class EmitUpdates:
   made for it.
   """
 
-  def carrier(self, updates_like: Any, carriers: dict[str, Any]) -> str:
-    """The name of the buffer the output is written to; ``"zeros"`` if none."""
-    for name, operand in carriers.items():
+  def carrier(self, updates_like: Any, carriers: dict[Carrier, Any]) -> Carrier:
+    """The first of ``carriers`` that holds the updates exactly, or zeros."""
+    for carrier, operand in carriers.items():
       if _fits_exactly(updates_like, operand):
-        return name
-    return "zeros"
+        return carrier
+    return Carrier.ZEROS
 
   def closing_output(self, updates: Any, params: Any, carrier: Any) -> Any:
     """The updates, in the carrier's dtypes (exact, by :meth:`carrier`)."""
@@ -45,10 +60,10 @@ class EmitUpdates:
     )
 
   def emit(
-    self, output: Any, stepped: jax.Array, updates_like: Any, carrier: str
+    self, output: Any, stepped: jax.Array, updates_like: Any, carrier: Carrier
   ) -> Any:
     """Zeros where the window stayed open; the updates where it closed."""
-    if carrier == "zeros":
+    if carrier is Carrier.ZEROS:
       return output
     return jax.tree.map(
       lambda carried, like: jnp.where(
@@ -67,16 +82,16 @@ class ApplyToParams:
   neither reads nor writes them.
   """
 
-  def carrier(self, updates_like: Any, carriers: dict[str, Any]) -> str:
+  def carrier(self, updates_like: Any, carriers: dict[Carrier, Any]) -> Carrier:
     del updates_like, carriers
-    return "params"
+    return Carrier.PARAMS
 
   def closing_output(self, updates: Any, params: Any, carrier: Any) -> Any:
     del carrier
     return optax.apply_updates(params, updates)
 
   def emit(
-    self, output: Any, stepped: jax.Array, updates_like: Any, carrier: str
+    self, output: Any, stepped: jax.Array, updates_like: Any, carrier: Carrier
   ) -> Any:
     del stepped, updates_like, carrier
     return output

@@ -71,9 +71,10 @@ class DeviceScheduled:
     """A branch of the closing work: ``body(carry)`` where ``predicate``."""
     return run_once.run_once_if(predicate, body, carry, name=name)
 
-  def carriers(self, carriers: dict[str, Any]) -> dict[str, Any]:
-    """The buffers the closing side may write its output into, in place."""
-    return carriers
+  @property
+  def carries_buffers(self) -> bool:
+    """Whether the closing side may write its output into a carried buffer."""
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +122,11 @@ class HostScheduled:
       lambda new, old: residency.where(predicate, new, old), taken, carry
     )
 
-  def carriers(self, carriers: dict[str, Any]) -> dict[str, Any]:
+  @property
+  def carries_buffers(self) -> bool:
     # Without a loop no buffer needs to be carried: the output is made
     # fresh, and the accumulator is left at zero.
-    del carriers
-    return {}
+    return False
 
 
 Schedule = DeviceScheduled | HostScheduled

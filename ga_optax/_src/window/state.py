@@ -56,9 +56,11 @@ class AccumulateState(NamedTuple):
       ``accumulator_memory_kind`` its leaves live in that memory kind.
     inner_state: the wrapped optimizer's state, in
       ``inner_state_memory_kind`` when one is given.
-    noise_scale: with ``noise_scale_decay``, the open window's sums for
-      the gradient noise scale and the averages over closed windows (read
-      them with :func:`ga_optax.noise_scale`); None (no leaves, no cost)
+    parts: what the window sums beside the gradient, one value per part:
+      with ``noise_scale_decay``, the open window's sums for the gradient
+      noise scale and the averages over closed windows (a
+      :class:`~ga_optax._src.algebra.noise_scale.WindowNoise`; read them
+      with :func:`ga_optax.noise_scale`); empty (no leaves, no cost)
       without.
     fp8_window: for a Flax model with float8 state (the
       ``_overwrite_with_gradient`` collection, whose "gradient" is its new
@@ -74,7 +76,7 @@ class AccumulateState(NamedTuple):
   weight_sum: jax.Array
   accumulator: optax.Updates
   inner_state: optax.OptState
-  noise_scale: WindowNoise | None = None
+  parts: tuple[Any, ...] = ()
   fp8_window: Any = None
 
 
@@ -265,14 +267,16 @@ def noise_scale(state: Any) -> NoiseScale:
   if isinstance(state, NoiseScaleAverages):
     averages = state
   else:
-    found = find_state(state).noise_scale
-    if found is None:
+    found = [
+      part for part in find_state(state).parts if isinstance(part, WindowNoise)
+    ]
+    if not found:
       raise ValueError(
         "state holds no noise scale: pass noise_scale_decay to"
         " ga_optax.accumulate (for example noise_scale_decay=0.99) to"
         " measure it."
       )
-    averages = found.smoothed
+    averages = found[0].smoothed
   # Field by field: a Variable is a pytree node, so jax.tree.map would map
   # the array inside it and hand the Variable back.
   return read(NoiseScaleAverages(*(jnp.asarray(field) for field in averages)))

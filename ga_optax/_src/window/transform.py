@@ -3,7 +3,11 @@
 Both functions take the same arguments, check them the same way and keep
 the same state; they differ only in what a call returns (updates, or new
 params). :func:`ga_optax._src.window.arguments.resolve` turns the
-arguments into a :class:`~ga_optax._src.window.window.Window`.
+arguments into a :class:`~ga_optax._src.window.window.Window`, and
+:func:`emitting_updates` or :func:`applying_to_params` turns that into what
+the caller holds: a window with one more part
+(``dataclasses.replace(window, parts=...)``) becomes a transformation so,
+with no edit here.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ga_optax._src.batch_size import every_k as every_k_lib
 from ga_optax._src.window import arguments
 from ga_optax._src.window.output import ApplyToParams, EmitUpdates
 from ga_optax._src.window.state import AccumulateState
+from ga_optax._src.window.window import Window
 
 
 def accumulate(
@@ -130,7 +135,7 @@ def accumulate(
       collective, and the closing call reduces the accumulator once, inside
       the side that closes the window. ``weight`` is then the
       micro-batch's global weight. Checkpoint such a state mid-window
-      through :func:`ga_optax.stack_partial_sums`.
+      through :func:`ga_optax.planning.stack_partial_sums`.
     accumulator_memory_kind: a memory kind of the device to keep the
       accumulator in between calls, for example ``"pinned_host"`` (host
       memory), to free its bytes on the device; None (the default) leaves
@@ -232,6 +237,11 @@ def accumulate(
     noise_scale_decay=noise_scale_decay,
     lr_scaling=lr_scaling,
   )
+  return emitting_updates(window)
+
+
+def emitting_updates(window: Window) -> optax.GradientTransformationExtraArgs:
+  """The transformation of ``window``, whose output strategy emits updates."""
   step = arguments.compiled_step(window)
 
   def update_fn(
@@ -380,6 +390,11 @@ def accumulate_and_apply(
     noise_scale_decay=noise_scale_decay,
     lr_scaling=lr_scaling,
   )
+  return applying_to_params(window)
+
+
+def applying_to_params(window: Window) -> FusedAccumulation:
+  """The fused accumulation of ``window``, whose output applies to params."""
   step = arguments.compiled_step(window)
 
   def apply_fn(

@@ -5,9 +5,10 @@ A :class:`Window` is what the arguments of ``accumulate`` resolve into
 it calls without asking which kind it holds: where the window lives across
 devices (:mod:`ga_optax._src.placements`), where the state is kept between
 calls (:mod:`ga_optax._src.placements.residency`), what a call returns
-(:mod:`ga_optax._src.window.output`), and whether the gradient noise scale is
-measured (:mod:`ga_optax._src.algebra.noise_scale`). What one call does with
-them is :mod:`ga_optax._src.window.micro_step`.
+(:mod:`ga_optax._src.window.output`), and the parts it sums beside the
+gradient (:mod:`ga_optax._src.algebra.parts`: the gradient noise scale's
+terms, with ``noise_scale_decay``). What one call does with them is
+:mod:`ga_optax._src.window.micro_step`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from ga_optax._src import validation
-from ga_optax._src.algebra import dtypes, fp8
+from ga_optax._src.algebra import dtypes, fp8, parts
 from ga_optax._src.algebra.counters import increment_if
-from ga_optax._src.algebra.noise_scale import Measured, Unmeasured
 from ga_optax._src.batch_size import adaptive, every_k
 from ga_optax._src.mixed_precision import precision
 from ga_optax._src.placements import Parallel, residency
@@ -41,13 +41,13 @@ class Decision(NamedTuple):
   """What this call does to the window.
 
   Attributes:
-    micro_step: the open window's micro-steps, this one included.
+    micro_steps: the open window's micro-steps, this one included.
     every_k: the open window's k.
     closes: the window closes on this call (full, flushed, or by the
       host's word); it steps the wrapped optimizer only if it holds weight.
   """
 
-  micro_step: jax.Array
+  micro_steps: jax.Array
   every_k: jax.Array
   closes: jax.Array
 
@@ -67,7 +67,8 @@ class Window:
     accumulator_home: where the accumulator is kept between calls.
     inner_state_home: where the wrapped optimizer's state is kept.
     output: what a call returns (updates, or new params).
-    noise: whether and how the gradient noise scale is measured.
+    parts: what the window sums beside the gradient, each part's value
+      carried in the state, in this order.
   """
 
   inner: optax.GradientTransformationExtraArgs
@@ -80,7 +81,7 @@ class Window:
   accumulator_home: residency.Residency
   inner_state_home: residency.Residency
   output: EmitUpdates | ApplyToParams
-  noise: Unmeasured | Measured
+  parts: tuple[parts.WindowPart, ...]
 
   @property
   def weight_dtype(self) -> jnp.dtype:
@@ -123,7 +124,7 @@ class Window:
         self.parallel.init_accumulator(accumulator), unplaced=unplaced
       ),
       inner_state=self.inner_state_home.keep(inner_state, unplaced=unplaced),
-      noise_scale=self.noise.init(self.parallel),
+      parts=tuple(part.init(self.parallel) for part in self.parts),
       fp8_window=fp8.init_window(fp8_state, reduction=self.reduction),
     )
 
@@ -145,7 +146,7 @@ class Window:
     flush: Any,
   ) -> Decision:
     """Counts the micro-step; the schedule says whether the window closes."""
-    micro_step = increment_if(state.micro_step, admitted.accepted)
+    micro_steps = increment_if(state.micro_step, admitted.accepted)
     every_k = self.window_length.current(state.every_k, state.update_step)
-    closes = schedule.closes(micro_step >= every_k, flush)
-    return Decision(micro_step, every_k, closes)
+    closes = schedule.closes(micro_steps >= every_k, flush)
+    return Decision(micro_steps, every_k, closes)

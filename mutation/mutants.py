@@ -67,7 +67,7 @@ COMPILED_PATHS = "ga_optax/_src/audits/compiled_paths.py"
 HOST_WAITS = "ga_optax/_src/audits/host_waits.py"
 GPU_RECIPE = "ga_optax/_src/recipes/gpu_recipe.py"
 GPU_COMPILE = "ga_optax/_src/audits/gpu_compile.py"
-FLAX_UTILS = "ga_optax/_src/recipes/flax_utils.py"
+FP8 = "ga_optax/_src/algebra/fp8.py"
 WEIGHTS = "ga_optax/_src/algebra/weights.py"
 ARGUMENTS = "ga_optax/_src/window/arguments.py"
 MICRO_STEP = "ga_optax/_src/window/micro_step.py"
@@ -1260,14 +1260,28 @@ MUTANTS: tuple[Mutant, ...] = (
     " device's amaxes instead of the max over every device",
     edits=(
       Edit(
-        FLAX_UTILS,
-        "    everywhere = parts.across_axes(window, part.combine, axis_name)\n",
-        "    everywhere = window\n",
+        FP8,
+        "    running = closing.held.combine(value.running, self.combine)\n",
+        "    running = value.running\n",
       ),
     ),
     tests=(
       "tests/test_fp8.py::test_share_windows_across_devices_in_shard_map",
     ),
+  ),
+  Mutant(
+    name="fp8_state_of_a_dropped_micro_step_counts",
+    guarantee="mixed precision (float8 state per call, skip_nonfinite)",
+    defect="the window's float8 part combines the new state of a micro-step"
+    " that skip_nonfinite dropped, whose amaxes may not be finite",
+    edits=(
+      Edit(
+        FP8,
+        "      value.running, latest, micro_batch.weight, contributes=micro_batch.kept\n",
+        "      value.running, latest, micro_batch.weight, contributes=True\n",
+      ),
+    ),
+    tests=("tests/test_fp8.py::test_windows_with_flush_skip_and_weights",),
   ),
   Mutant(
     name="fp8_weight_not_summed_across_devices",
@@ -1276,9 +1290,9 @@ MUTANTS: tuple[Mutant, ...] = (
     " instead of the window's weight over every device",
     edits=(
       Edit(
-        FLAX_UTILS,
-        "    weight_sum = jax.lax.psum(weight_sum, axis_name)\n",
-        "",
+        FP8,
+        '    weight = closing.held.combine(value.weight, "sum")\n',
+        "    weight = value.weight\n",
       ),
     ),
     tests=("tests/test_fp8.py::test_mean_windows_across_devices_in_shard_map",),

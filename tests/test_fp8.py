@@ -327,13 +327,14 @@ def test_share_windows_across_devices_in_shard_map():
   tx = ga_optax.accumulate(
     optax.adam(1e-2), 2, reduction="sum", axis_name="data"
   )
+  each_device_alone = ga_optax.accumulate(optax.adam(1e-2), 2, reduction="sum")
 
-  def sharded_step(axis_name):
+  def sharded_step(tx):
     def step(state, batch):
       grads = jax.grad(functools.partial(share_loss, model))(
         state.params, batch, 32.0
       )
-      return ga_optax.apply_gradients(state, grads, axis_name=axis_name)
+      return ga_optax.apply_gradients(state.replace(tx=tx), grads)
 
     return jax.jit(
       jax.shard_map(
@@ -342,7 +343,7 @@ def test_share_windows_across_devices_in_shard_map():
       )
     )  # fmt: skip
 
-  combined, apart = sharded_step("data"), sharded_step(None)
+  combined, apart = sharded_step(tx), sharded_step(each_device_alone)
   large = train_state.TrainState.create(
     apply_fn=model.apply, params=variables, tx=optax.adam(1e-2)
   )
@@ -378,7 +379,7 @@ def test_mean_windows_across_devices_in_shard_map():
 
   def step(state, batch):
     grads = jax.grad(functools.partial(mean_loss, model))(state.params, batch)
-    return ga_optax.apply_gradients(state, grads, weight=2.0, axis_name="data")
+    return ga_optax.apply_gradients(state, grads, weight=2.0)
 
   sharded_step = jax.jit(
     jax.shard_map(
@@ -430,8 +431,11 @@ def test_fp8_state_given_as_gradients_is_refused_with_the_recipe(path):
 
 def test_accumulate_gives_the_fp8_window_its_reduction():
   tx = ga_optax.accumulate(optax.sgd(0.1), 2, reduction="sum")
-  window = find_state(tx.init(warm_variables("Fp8DirectDotGeneralOp")))
-  assert window.fp8_window.reduction == "sum"
+  state = find_state(tx.init(warm_variables("Fp8DirectDotGeneralOp")))
+  (window,) = [
+    part for part in state.parts if isinstance(part, fp8.Fp8InWindow)
+  ]
+  assert window.running.reduction == "sum"
 
 
 # The mean recipe (the contract's weighted mean of mean losses).

@@ -54,8 +54,8 @@ class LargestEntryPart:
 
   combine: parts.Combine = "max"
 
-  def init(self, held: parts.Held) -> LargestEntry:
-    del held  # a max is held whole on each device
+  def init(self, held: parts.Held, params: Any) -> LargestEntry:
+    del held, params  # a max is held whole on each device
     zero = jnp.zeros((), jnp.float32)
     return LargestEntry(zero, zero)
 

@@ -43,7 +43,7 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -404,3 +404,88 @@ class Fp8Part:
 
   def close(self, window: Fp8Window, closing: parts.Closing) -> Any:
     return close(window, self.start, closing.weight)
+
+
+class Fp8InWindow(NamedTuple):
+  """The float8 part's value in the window's state.
+
+  Attributes:
+    running: the open window's running combination.
+    weight: the weight of the open window's micro-batches that brought
+      float8 values, as this device holds it.
+    state: the float8 state the model computes with: its value at the
+      start of the open window, which a window that closes with a step
+      replaces by the large batch's new state. Read it after each call
+      (:func:`ga_optax.apply_gradients` writes it into the variables).
+  """
+
+  running: Fp8Window
+  weight: jax.Array
+  state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8WindowPart:
+  """A Flax model's float8 state as a part of the window.
+
+  Each micro-batch's new float8 state (``update(..., fp8_state=...)``) is
+  combined in (:func:`combine`, by its weight), devices combine by a max
+  and their weights by a sum, and a window that closes with a step leaves
+  the large batch's new state (:func:`close`). Its value is None (no
+  leaves, no cost) for params without float8 state.
+
+  Attributes:
+    reduction: the window's reduction, ``"mean"`` or ``"sum"``.
+  """
+
+  reduction: str = "mean"
+  combine: parts.Combine = "max"
+
+  def init(self, held: parts.Held, params: Any) -> Fp8InWindow | None:
+    del held
+    start = split_variables(params)[1]
+    window = init_window(start, self.reduction)
+    if window is None:
+      return None
+    return Fp8InWindow(window, jnp.zeros((), jnp.float32), start)
+
+  def add(
+    self, value: Fp8InWindow | None, micro_batch: parts.MicroBatch
+  ) -> Fp8InWindow | None:
+    latest = split_variables(micro_batch.grads)[1]
+    if latest is None:
+      # Params' gradients alone: a step that keeps the float8 state.
+      return value
+    if value is None:
+      raise ValueError(
+        f"fp8_state holds Flax's float8 state (the {OVERWRITE_WITH_GRADIENT!r}"
+        " collection) but the optimizer state has no window for it: make it"
+        " with tx.init(variables) for the whole variables, not"
+        " variables['params'] (Flax's TrainState.create does the latter:"
+        " state = TrainState.create(apply_fn=..., params=variables,"
+        " tx=tx).replace(opt_state=tx.init(variables)))."
+      )
+    check_like(value.running, latest, "fp8_state")
+    running = combine(
+      value.running, latest, micro_batch.weight, contributes=micro_batch.kept
+    )
+    return value._replace(
+      running=running, weight=value.weight + micro_batch.weight
+    )
+
+  def close(
+    self, value: Fp8InWindow | None, closing: parts.WindowClosing
+  ) -> tuple[Fp8InWindow | None, None]:
+    if value is None:
+      return None, None
+    running = closing.held.combine(value.running, self.combine)
+    weight = closing.held.combine(value.weight, "sum")
+    return value._replace(state=close(running, value.state, weight)), None
+
+  def restart(self, value: Fp8InWindow | None) -> Fp8InWindow | None:
+    if value is None:
+      return None
+    return value._replace(
+      running=restarted(value.running, True),
+      weight=jnp.zeros_like(value.weight),
+    )

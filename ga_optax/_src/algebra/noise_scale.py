@@ -397,7 +397,8 @@ class Measured:
     self.decay = decay
     self.units = units
 
-  def init(self, held: parts.Held) -> WindowNoise:
+  def init(self, held: parts.Held, params: Any) -> WindowNoise:
+    del params
     return WindowNoise(NoiseTermsPart(held).zero(), no_averages())
 
   def add(

@@ -231,12 +231,21 @@ class WindowPart(Protocol):
   and restarts it after every close, with a step or without.
   """
 
-  def init(self, held: Held) -> Any:
-    """The value of a run that has no micro-step yet."""
+  def init(self, held: Held, params: Any) -> Any:
+    """The value of a run that has no micro-step yet.
+
+    ``params`` are what the transformation's ``init`` was given (for a
+    Flax model with float8 state, its whole variables).
+    """
     ...
 
   def add(self, value: Any, micro_batch: MicroBatch) -> Any:
-    """``value`` with one micro-batch added."""
+    """``value`` with one micro-batch added.
+
+    For a model with float8 state, ``micro_batch.grads`` holds the
+    gradients as Flax variables, the state's new values among them
+    (``update(..., fp8_state=...)``).
+    """
     ...
 
   def close(self, value: Any, closing: WindowClosing) -> tuple[Any, Any]:

@@ -21,7 +21,7 @@ import optax
 
 from ga_optax._src import placements as parallel
 from ga_optax._src import validation
-from ga_optax._src.algebra import noise_scale, weights
+from ga_optax._src.algebra import fp8, noise_scale, weights
 from ga_optax._src.batch_size import adaptive
 from ga_optax._src.batch_size import every_k as every_k_lib
 from ga_optax._src.mixed_precision import loss_scaling, precision
@@ -109,9 +109,14 @@ def resolve(
       refused_in_reverse_mode=in_shard_map,
     ),
     output=output,
-    parts=()
-    if decay is None
-    else (noise_scale.Measured(decay, units=loss_scaling.gradient_units),),
+    parts=(
+      *(
+        ()
+        if decay is None
+        else (noise_scale.Measured(decay, units=loss_scaling.gradient_units),)
+      ),
+      fp8.Fp8WindowPart(reduction),
+    ),
   )
 
 
@@ -150,9 +155,11 @@ def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
     weight: Any,
     flush: Any,
     closing: Any,
+    fp8_state: Any,
     extra_args: dict[str, Any],
   ) -> tuple[Any, AccumulateState]:
-    if not eager.is_traced((grads, state, params, weight, flush, extra_args)):
+    arrays = (grads, state, params, weight, flush, fp8_state, extra_args)
+    if not eager.is_traced(arrays):
       # In the window's weight dtype: a Python int, a NumPy float and an
       # int32 array weight then share one compiled program.
       weight = jnp.asarray(weights.check(weight), window.weight_dtype)
@@ -163,6 +170,7 @@ def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
       weight=weight,
       flush=flush,
       closing=closing,
+      fp8_state=fp8_state,
       extra_args=extra_args,
     )
 

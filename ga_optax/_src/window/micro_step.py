@@ -47,6 +47,7 @@ def update(
   weight: Any,
   flush: Any,
   closing: Any,
+  fp8_state: Any,
   extra_args: dict[str, Any],
 ) -> tuple[Any, AccumulateState]:
   """One micro-step: the output (updates, or new params) and the state."""
@@ -82,6 +83,7 @@ def update(
     decision,
     extra_args,
     accumulator=residency.to_device_after(state.accumulator, grads),
+    fp8_state=fp8_state,
   )
   closing_side = ClosingSide(micro_step)
   closed = schedule.close_window(
@@ -104,7 +106,6 @@ def update(
     ),
     inner_state=closed.inner_state,
     parts=closed.parts,
-    fp8_window=state.fp8_window,
   )
   return output, new_state
 
@@ -152,6 +153,10 @@ class MicroStep:
       accumulator kept in another memory kind at the very beginning of the
       program, and it would hold device memory through the forward and
       backward pass.
+    fp8_state: for a Flax model with float8 state, this micro-batch's new
+      float8 state (the gradient of its ``_overwrite_with_gradient``
+      collection), which the window's parts see among the gradients as
+      Flax variables; None for any other model.
   """
 
   window: Window
@@ -164,6 +169,7 @@ class MicroStep:
   decision: Decision
   extra_args: dict[str, Any]
   accumulator: optax.Updates
+  fp8_state: Any = None
 
   @functools.cached_property
   def updates_like(self) -> Any:
@@ -217,7 +223,7 @@ class MicroStep:
     if not window.parts:
       return ()
     micro_batch = parts.MicroBatch.of(
-      self.grads,
+      fp8.join_variables({}, self.grads, self.fp8_state),
       self.weight,
       self.admitted.accepted,
       functools.partial(window.parallel.own_gradients, self.grads),

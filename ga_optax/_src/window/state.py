@@ -60,12 +60,12 @@ class AccumulateState(NamedTuple):
       with ``noise_scale_decay``, the open window's sums for the gradient
       noise scale and the averages over closed windows (a
       :class:`~ga_optax._src.algebra.noise_scale.WindowNoise`; read them
-      with :func:`ga_optax.noise_scale`); empty (no leaves, no cost)
-      without.
-    fp8_window: for a Flax model with float8 state (the
-      ``_overwrite_with_gradient`` collection, whose "gradient" is its new
-      value), the window's running combination of those new values; None
-      (no leaves) for any other model. See :func:`ga_optax.apply_gradients`.
+      with :func:`ga_optax.noise_scale`), then, for a Flax model with
+      float8 state, the window's running combination of its micro-batches'
+      new float8 state and the state the model computes with (a
+      :class:`~ga_optax._src.algebra.fp8.Fp8InWindow`, None for any other
+      model; see :func:`ga_optax.apply_gradients`). Parts with nothing to
+      hold have no leaves and cost nothing.
   """
 
   micro_step: jax.Array
@@ -77,7 +77,6 @@ class AccumulateState(NamedTuple):
   accumulator: optax.Updates
   inner_state: optax.OptState
   parts: tuple[Any, ...] = ()
-  fp8_window: Any = None
 
 
 def check_state(state: Any) -> AccumulateState:

@@ -75,6 +75,11 @@ def accumulate(
     ``conditional`` (mark it static under ``jax.jit``). Not with ``flush``.
     Every close, in either schedule, leaves the accumulator at zero, so a
     run may switch schedules at any call (docs/how-to/host-schedule.md).
+  * ``fp8_state``: for a Flax model with float8 state, the micro-batch's
+    new float8 state (the gradient of its ``_overwrite_with_gradient``
+    collection); :func:`ga_optax.apply_gradients` passes it. The window
+    combines it as one large batch would, and the state holds the result
+    (docs/how-to/mixed-precision.md).
   * any other keyword: forwarded to ``optimizer.update`` when the window
     closes (for example ``value=`` for ``optax.contrib.reduce_on_plateau``).
 
@@ -252,6 +257,7 @@ def emitting_updates(window: Window) -> optax.GradientTransformationExtraArgs:
     weight: Any = 1,
     flush: Any = False,
     closing: bool | None = None,
+    fp8_state: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
     return step(
@@ -261,6 +267,7 @@ def emitting_updates(window: Window) -> optax.GradientTransformationExtraArgs:
       weight=weight,
       flush=flush,
       closing=closing,
+      fp8_state=fp8_state,
       extra_args=extra_args,
     )
 
@@ -281,6 +288,7 @@ class FusedApplyFn(Protocol):
     weight: Any = 1,
     flush: Any = False,
     closing: bool | None = None,
+    fp8_state: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Params, AccumulateState]: ...
 
@@ -292,7 +300,8 @@ class FusedAccumulation(NamedTuple):
     init: ``params -> AccumulateState``, the same state that
       :func:`ga_optax.accumulate` keeps.
     apply: ``(params, grads, state, *, weight=1, flush=False,
-      closing=None, **extra_args) -> (new_params, new_state)``; the params
+      closing=None, fp8_state=None, **extra_args) -> (new_params,
+      new_state)``; the params
       change only on the call that closes a window.
   """
 
@@ -405,6 +414,7 @@ def applying_to_params(window: Window) -> FusedAccumulation:
     weight: Any = 1,
     flush: Any = False,
     closing: bool | None = None,
+    fp8_state: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Params, AccumulateState]:
     return step(
@@ -414,6 +424,7 @@ def applying_to_params(window: Window) -> FusedAccumulation:
       weight=weight,
       flush=flush,
       closing=closing,
+      fp8_state=fp8_state,
       extra_args=extra_args,
     )
 

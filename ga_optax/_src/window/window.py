@@ -96,7 +96,8 @@ class Window:
     """
     validation.check_array_leaves(params, "params")
     self.parallel.check_init()
-    params, fp8_state = fp8.split_variables(params)
+    variables = params
+    params = fp8.split_variables(variables)[0]
     trained = (
       params.fast if isinstance(params, optax.LookaheadParams) else params
     )
@@ -124,8 +125,7 @@ class Window:
         self.parallel.init_accumulator(accumulator), unplaced=unplaced
       ),
       inner_state=self.inner_state_home.keep(inner_state, unplaced=unplaced),
-      parts=tuple(part.init(self.parallel) for part in self.parts),
-      fp8_window=fp8.init_window(fp8_state, reduction=self.reduction),
+      parts=tuple(part.init(self.parallel, variables) for part in self.parts),
     )
 
   def admit(

@@ -103,7 +103,7 @@ class LeftUnreduced:
   def per_device(
     self, weighting: Weighting, sums: Sums, diff: Any, axes: axes_lib.Axes
   ) -> Result:
-    if "fp8" in sums.parts:
+    if any(part.combine != "sum" for part in weighting.parts(diff)):
       raise ValueError(
         "unreduced_value_and_grad cannot leave Flax float8 state"
         " (_overwrite_with_gradient) unreduced: it is combined by a max, not"
@@ -113,7 +113,7 @@ class LeftUnreduced:
     # The value's and the weight's sums share one scalar all-reduce.
     value_sum, weight_sum = jax.lax.psum((sums.value, sums.weight), axes)
     value, grads, _ = weighting.close(
-      sums._replace(value=value_sum, weight=weight_sum, parts={}), diff
+      sums._replace(value=value_sum, weight=weight_sum, parts=()), diff
     )
     stacked = jax.tree.map(lambda grad: grad[None], grads)
     return Result(value, stacked, None, weight_sum, None)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from ga_optax._src import validation
 from ga_optax._src.algebra import dtypes, fp8, parts, weights
 from ga_optax._src.algebra import noise_scale as noise_lib
+from ga_optax._src.algebra.parts import Part
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.scan import batch_layout
 from ga_optax._src.scan.batch_layout import BatchLayout
@@ -122,24 +123,25 @@ class Sums(NamedTuple):
     grads: ``sum(w_i * grad_i)``, a tree like the differentiated params.
     value: ``sum(w_i * value_i)``.
     weight: ``sum(w_i)``.
-    parts: each part's value (:mod:`ga_optax._src.algebra.parts`), by
-      name: ``"noise"`` with ``noise_scale``, ``"fp8"`` for Flax variables
-      with float8 state (``grads`` holds zeros there).
+    parts: each part's value (:mod:`ga_optax._src.algebra.parts`), in the
+      order of :meth:`Weighting.parts`: the noise scale's terms with
+      ``noise_scale``, then the float8 state's combination for Flax
+      variables with float8 state (``grads`` holds zeros there).
   """
 
   grads: Any
   value: jax.Array
   weight: jax.Array
-  parts: dict[str, Any]
+  parts: tuple[Any, ...]
 
-  def reduced(self, axes: axes_lib.Axes, parts_of: dict[str, Any]) -> Sums:
+  def reduced(self, axes: axes_lib.Axes, parts_of: tuple[Part, ...]) -> Sums:
     """The sums over the devices of ``axes``, each part by its combine."""
-    summed = jax.lax.psum(self._replace(parts={}), axes)
+    summed = jax.lax.psum(self._replace(parts=()), axes)
     return summed._replace(
-      parts={
-        name: parts.across_axes(value, parts_of[name].combine, axes)
-        for name, value in self.parts.items()
-      }
+      parts=tuple(
+        parts.across_axes(value, part.combine, axes)
+        for part, value in zip(parts_of, self.parts, strict=True)
+      )
     )
 
 
@@ -203,17 +205,17 @@ class Weighting(NamedTuple):
   accumulator_dtype: jnp.dtype
   noise: noise_lib.NoiseTermsPart | None = None
 
-  def parts(self, diff: Any) -> dict[str, Any]:
+  def parts(self, diff: Any) -> tuple[Part, ...]:
     """The parts these sums carry, for the differentiated params ``diff``."""
-    found: dict[str, Any] = {}
+    found: list[Part] = []
     if self.noise is not None:
-      found["noise"] = self.noise
+      found.append(self.noise)
     start = fp8.split_variables(diff)[1]
     if start is not None:
       # Each micro-batch's loss is its share of the batch's: the window
       # sums the output-gradient amaxes instead of averaging them.
-      found["fp8"] = fp8.Fp8Part(start, reduction="sum", scaled_to_share=True)
-    return found
+      found.append(fp8.Fp8Part(start, reduction="sum", scaled_to_share=True))
+    return tuple(found)
 
   def zeros(self, diff: Any) -> Sums:
     """Empty sums for the differentiated params ``diff``."""
@@ -228,7 +230,7 @@ class Weighting(NamedTuple):
       ),
       value=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
       weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
-      parts={name: part.zero() for name, part in self.parts(diff).items()},
+      parts=tuple(part.zero() for part in self.parts(diff)),
     )
 
   def weight_of(self, microbatch: Any) -> jax.Array:
@@ -250,10 +252,10 @@ class Weighting(NamedTuple):
       grads, params_grads, jax.tree.map(jnp.zeros_like, latest)
     )
     micro_batch = parts.MicroBatch.whole(grads, weight, micro_gradient=summed)
-    new_parts = {
-      name: part.add(sums.parts[name], micro_batch)
-      for name, part in self.parts(diff).items()
-    }
+    new_parts = tuple(
+      part.add(value, micro_batch)
+      for part, value in zip(self.parts(diff), sums.parts, strict=True)
+    )
     grads = summed
     factor = 1 if self.weight_fn is None else weight
 
@@ -284,17 +286,18 @@ class Weighting(NamedTuple):
     grads = jax.tree.map(
       lambda total, param: total.astype(jnp.result_type(param)), mean, diff
     )
+    estimate = None
     # Sums handed out unreduced carry no parts: a part needs every device.
-    closed = {
-      name: part.close(sums.parts[name], closing)
-      for name, part in self.parts(diff).items()
-      if name in sums.parts
-    }
-    if "fp8" in closed:
-      # The float8 state's "gradient" is the large batch's new state.
-      params_grads, _ = fp8.split_variables(grads)
-      grads = fp8.join_variables(grads, params_grads, closed["fp8"])
-    return sums.value * scale, grads, closed.get("noise")
+    if sums.parts:
+      for part, value in zip(self.parts(diff), sums.parts, strict=True):
+        closed = part.close(value, closing)
+        if isinstance(part, fp8.Fp8Part):
+          # The float8 state's "gradient" is the large batch's new state.
+          params_grads, _ = fp8.split_variables(grads)
+          grads = fp8.join_variables(grads, params_grads, closed)
+        elif isinstance(closed, noise_lib.NoiseScaleEstimate):
+          estimate = closed
+    return sums.value * scale, grads, estimate
 
 
 class Microbatching(NamedTuple):
@@ -331,7 +334,7 @@ class Microbatching(NamedTuple):
       self.weighting.zeros(trainable.diff), varying_axes
     )
     batch_weight = None
-    if "fp8" in initial.parts:
+    if fp8.split_variables(trainable.diff)[1] is not None:
       micro_weights = jax.lax.map(
         lambda split: self.weighting.weight_of(
           layout.rebuild(split, inputs.whole)

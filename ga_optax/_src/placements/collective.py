@@ -23,7 +23,7 @@ from ga_optax._src.placements import local
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective(local.Local):
+class Collective(local.DeviceSums):
   """Device-local windows over ``axes``, summed by a collective on closing.
 
   Attributes:

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ga_optax._src import validation
+from ga_optax._src import eager, validation
 from ga_optax._src.algebra import noise_scale as noise_lib
 from ga_optax._src.mixed_precision import precision
 from ga_optax._src.placements import axes as axes_lib
@@ -40,7 +40,6 @@ from ga_optax._src.scan.microbatch_scan import (
   WeightFn,
   Weighting,
 )
-from ga_optax._src.window import eager
 
 
 def _check_options(

@@ -19,14 +19,14 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
+from ga_optax._src import eager, validation
 from ga_optax._src import placements as parallel
-from ga_optax._src import validation
 from ga_optax._src.algebra import fp8, noise_scale, weights
 from ga_optax._src.batch_size import adaptive
 from ga_optax._src.batch_size import every_k as every_k_lib
 from ga_optax._src.mixed_precision import loss_scaling, precision
 from ga_optax._src.placements import residency
-from ga_optax._src.window import eager, micro_step
+from ga_optax._src.window import micro_step
 from ga_optax._src.window.output import ApplyToParams, EmitUpdates
 from ga_optax._src.window.state import AccumulateState
 from ga_optax._src.window.window import Window

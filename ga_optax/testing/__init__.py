@@ -26,8 +26,6 @@ collectives, and closing work the compiler moved out of the closing side.
 :func:`host_waits` counts, per path, how often the compiled step makes the
 host wait for the GPU (a loop or conditional outside a CUDA graph), under
 XLA's defaults or :func:`ga_optax.gpu_compiler_options`.
-Where the plugin is missing, :func:`gpu_conditional_audit` still emulates
-on any backend what XLA:GPU does to a program's conditionals.
 
 On a TPU likewise: :func:`compile_for_tpu` compiles a step with the TPU
 compiler for a slice this machine need not have (a v5e chip by default; it
@@ -59,11 +57,6 @@ from ga_optax._src.audits.gpu_compile import (
   compile_for_gpu,
   gpu_devices,
 )
-from ga_optax._src.audits.gpu_conditionals import (
-  ConditionalAudit,
-  EmulationUnavailable,
-  gpu_conditional_audit,
-)
 from ga_optax._src.audits.hlo_audits import (
   WindowCollectives,
   loop_collectives,
@@ -92,9 +85,7 @@ from ga_optax._src.window.transform import accumulate
 from ga_optax.testing import hlo
 
 __all__ = [
-  "ConditionalAudit",
   "Copy",
-  "EmulationUnavailable",
   "EquivalenceResult",
   "GpuCompilerUnavailable",
   "HostWaits",
@@ -106,7 +97,6 @@ __all__ = [
   "compile_for_gpu",
   "compile_for_tpu",
   "count_host_waits",
-  "gpu_conditional_audit",
   "gpu_devices",
   "hlo",
   "host_waits",

@@ -289,12 +289,8 @@ def path_audit(
           )
         )
       if opcode in COLLECTIVE_OPCODES:
-        operand_bytes = sum(
-          shape_bytes(shapes.get(operand, ""))
-          for operand in instruction.operands
-        )
         collectives.append(
-          Collective(computation, instruction.name, opcode, operand_bytes)
+          Collective(computation, instruction.name, opcode, read)
         )
       # Scalars (the side's own predicate, say) are not work worth moving.
       if (

@@ -350,12 +350,12 @@ def find_loss_scale_state(state: Any) -> DynamicLossScaleState:
 
 def _loss_scale_states(state: Any) -> list[DynamicLossScaleState]:
   """Every :class:`DynamicLossScaleState` inside an optimizer state."""
+
+  def is_scale(node: Any) -> bool:
+    return isinstance(node, DynamicLossScaleState)
+
   return [
-    node
-    for node in jax.tree.leaves(
-      state, is_leaf=lambda node: isinstance(node, DynamicLossScaleState)
-    )
-    if isinstance(node, DynamicLossScaleState)
+    node for node in jax.tree.leaves(state, is_leaf=is_scale) if is_scale(node)
   ]
 
 
@@ -364,21 +364,12 @@ def gradient_units(
 ) -> tuple[jax.Array, jax.Array]:
   """The loss scale a window's gradients carry, and whether it was kept.
 
-  For the noise scale that :func:`ga_optax.accumulate` measures: its
-  micro-gradients are those of the loss times the scale of the wrapped
-  optimizer's state at the window's start, and a window that
-  :func:`dynamic_loss_scale` drops measures nothing. A state without a
-  loss scale gives ``(1, True)``.
-
-  Args:
-    inner_state: the wrapped optimizer's state before the window's step.
-    new_inner_state: its state after it.
-
-  Returns:
-    A float32 scale and a bool scalar.
-
-  Raises:
-    ValueError: the state holds several loss scales.
+  ``(scale, kept)``, float32 and bool, from the wrapped optimizer's state
+  before and after its step, for the noise scale that
+  :func:`ga_optax.accumulate` measures: its micro-gradients are those of the
+  loss times the scale at the window's start, and a window that
+  :func:`dynamic_loss_scale` drops measures nothing. A state without a loss
+  scale gives ``(1, True)``; one with several raises a ``ValueError``.
   """
   if not _loss_scale_states(inner_state):
     return jnp.ones((), jnp.float32), jnp.asarray(True)

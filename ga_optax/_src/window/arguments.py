@@ -21,7 +21,7 @@ import optax
 
 from ga_optax._src import eager, validation
 from ga_optax._src import placements as parallel
-from ga_optax._src.algebra import fp8, noise_scale, weights
+from ga_optax._src.algebra import fp8, noise_scale, parts, weights
 from ga_optax._src.batch_size import adaptive
 from ga_optax._src.batch_size import every_k as every_k_lib
 from ga_optax._src.mixed_precision import loss_scaling, precision
@@ -76,14 +76,11 @@ def resolve(
   # shard_map's transpose hands back device-memory cotangents for its
   # host-memory operands, and the cotangent of an accumulator typed
   # unreduced comes back unreduced, not reduced, through the move to host.
-  in_shard_map = (
-    f"jax.shard_map (axis_name={axis_name!r})"
-    if axis_name is not None
-    else None
-  )
-  partial_sums = (
-    f"unreduced_axes={unreduced_axes!r}" if placement.unreduced_axes else None
-  )
+  in_shard_map = partial_sums = None
+  if axis_name is not None:
+    in_shard_map = f"jax.shard_map (axis_name={axis_name!r})"
+  if placement.unreduced_axes:
+    partial_sums = f"unreduced_axes={unreduced_axes!r}"
   return Window(
     inner=validation.check_optimizer(optimizer),
     window_length=window_length,
@@ -109,15 +106,22 @@ def resolve(
       refused_in_reverse_mode=in_shard_map,
     ),
     output=output,
-    parts=(
-      *(
-        ()
-        if decay is None
-        else (noise_scale.Measured(decay, units=loss_scaling.gradient_units),)
-      ),
-      fp8.Fp8WindowPart(reduction),
-    ),
+    parts=window_parts(decay, reduction),
   )
+
+
+def window_parts(
+  decay: float | None, reduction: str
+) -> tuple[parts.WindowPart, ...]:
+  """What the window sums beside the gradient, in the state's order.
+
+  The noise scale's terms where a decay is given; a Flax model's float8
+  state, whose value is None (no leaves) for any other model.
+  """
+  # Measured in the gradients' own units: a wrapped loss scale's removed.
+  units = loss_scaling.gradient_units
+  measured = () if decay is None else (noise_scale.Measured(decay, units),)
+  return (*measured, fp8.Fp8WindowPart(reduction))
 
 
 def initializer(window: Window) -> Callable[[optax.Params], AccumulateState]:

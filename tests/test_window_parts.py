@@ -127,6 +127,16 @@ def largest_of(state: Any) -> float:
   return float(value.last)
 
 
+def assert_largest_of_window(state, grads, weights, call: int) -> float:
+  """Checks the part against NumPy after the window that ``call`` closed."""
+  window = slice(call + 1 - K, call + 1)
+  counted = weights[window] > 0
+  expected = np.max(np.abs(grads[window][counted]))
+  assert np.isfinite(largest_of(state))
+  assert largest_of(state) == pytest.approx(expected, rel=1e-6)
+  return expected
+
+
 @pytest.fixture(params=["loops", "conditional", "host"])
 def schedule(request, monkeypatch) -> str:
   """Each form of the device's schedule, pinned, and the host's schedule."""
@@ -167,12 +177,7 @@ def test_one_device_carries_the_new_part_beside_the_noise_scale(schedule):
     assert np.all(np.isfinite(updates))
     np.testing.assert_allclose(updates, plain_updates, rtol=1e-6)
     if (call + 1) % K == 0:
-      window = slice(call + 1 - K, call + 1)
-      counted = weights[window] > 0
-      expected = np.max(np.abs(grads[window][counted]))
-      assert np.isfinite(largest_of(state))
-      assert largest_of(state) == pytest.approx(expected, rel=1e-6)
-      maxima.append(expected)
+      maxima.append(assert_largest_of_window(state, grads, weights, call))
   # A window below an earlier one: a part never restarted would not be.
   assert min(maxima[1:]) < maxima[0]
   noise, plain_noise = (
@@ -224,14 +229,10 @@ def test_eight_devices_combine_the_new_part_by_its_max(schedule):
         jax.device_put(weights[call], P("data")),
       )
       if (call + 1) % K == 0:
-        window = slice(call + 1 - K, call + 1)
-        counted = weights[window] > 0
-        expected = np.max(np.abs(grads[window][counted]))
-        assert np.isfinite(largest_of(state))
-        assert largest_of(state) == pytest.approx(expected, rel=1e-6)
+        expected = assert_largest_of_window(state, grads, weights, call)
         maxima.append(expected)
         if call + 1 == K:  # the zero-weight device held the window's largest
-          assert expected < np.max(np.abs(grads[window]))
+          assert expected < np.max(np.abs(grads[:K]))
   assert min(maxima[1:]) < maxima[0]
 
 

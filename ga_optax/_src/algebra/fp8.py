@@ -32,9 +32,10 @@ A micro-batch of weight 0 (padding only) counts in the forward histories,
 since the large batch quantises its rows too, and not in the
 output-gradient ones, where its ``0 / 0`` loss gives NaN.
 
-As a part of the window algebra (:class:`Fp8Part`, combined across devices
-by a max), the in-step scan drives it, and so does
-:func:`ga_optax.apply_gradients` from outside ``accumulate``'s window.
+As a part of the window algebra, combined across devices by a max, the
+in-step scan drives it (:class:`Fp8Part`), and so does ``accumulate``'s
+window (:class:`Fp8WindowPart`), given each micro-batch's new state as
+``update(..., fp8_state=...)`` (:func:`ga_optax.apply_gradients` passes it).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def refuse_as_gradients(grads: Any) -> None:
       " model with ga_optax.apply_gradients(state, grads) around accumulate,"
       " or differentiate it with microbatched_value_and_grad."
       " accumulate_and_apply and tx.update take the gradients of"
-      " variables['params'] alone."
+      " variables['params'] alone, and the collection's as fp8_state=."
     )
 
 

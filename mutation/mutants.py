@@ -1213,8 +1213,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICROBATCH_DEVICES,
-        "    return Result(value, stacked, None, weight_sum, None)",
-        "    return Result(value, stacked, None, sums.weight, None)",
+        "    return Result(value, stacked, None, weight_sum, ())",
+        "    return Result(value, stacked, None, sums.weight, ())",
       ),
     ),
     tests=("tests/test_language_model_data_parallel.py",),

@@ -1,14 +1,18 @@
-"""A new part of the window is written in its own file: none under ``window/``.
+"""A new part is written in its own file: none under ``window/`` or ``scan/``.
 
-The window carries a tuple of parts (:class:`ga_optax._src.algebra.parts.
-WindowPart`), each with its own value in the state: it adds each where it
-adds the gradient, closes each where it steps the wrapped optimizer, hands
-their reports to the strategy that picks the next k, and restarts each
-after every close. The part here, written in this file alone, keeps the
-largest |g|∞ of a window's micro-gradients: a max over the devices where
-the noise scale's terms are a sum. It is checked against NumPy on one
-device and on 8 inside ``jax.shard_map``, in both forms of the window and
-on the host's schedule, beside the noise scale, whose figures do not move.
+Both drivers carry a tuple of parts (:class:`ga_optax._src.algebra.parts.
+Part`): each adds its value where it adds the gradient, combines it over
+the devices where it reduces the gradient, and closes it once, with a
+report. The window (:class:`~ga_optax._src.algebra.parts.Windowing`) does
+so across calls: it closes its parts where it steps the wrapped optimizer,
+hands their reports to the strategy that picks the next k, and restarts
+them after every close; the scan within one call, returning the reports.
+The part here, written in this file alone, is the largest |g|∞ of the
+micro-gradients of positive weight: a max over the devices where the noise
+scale's terms are a sum. It is checked against NumPy on one device and on 8
+inside ``jax.shard_map``: through the window in both of its forms and on the
+host's schedule, and through the scan; beside the noise scale, whose
+figures do not move.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax._src.algebra import parts
+from ga_optax._src.scan import microbatch
 from ga_optax._src.window import arguments, transform, window_form
 from ga_optax._src.window.output import EmitUpdates
 
@@ -33,13 +38,6 @@ DEVICES = 8
 K = 3
 WINDOWS = 3
 DECAY = 0.5
-
-
-class LargestEntry(NamedTuple):
-  """The toy part's value: the open window's max, and the last window's."""
-
-  open: jax.Array
-  last: jax.Array
 
 
 class LargestReport(NamedTuple):
@@ -54,28 +52,19 @@ class LargestEntryPart:
 
   combine: parts.Combine = "max"
 
-  def init(self, held: parts.Held, params: Any) -> LargestEntry:
-    del held, params  # a max is held whole on each device
-    zero = jnp.zeros((), jnp.float32)
-    return LargestEntry(zero, zero)
+  def zero(self) -> jax.Array:
+    return jnp.zeros((), jnp.float32)
 
-  def add(self, value: LargestEntry, micro_batch: parts.MicroBatch) -> Any:
-    entry = parts.leaf_total(
-      micro_batch.grads, lambda leaf: jnp.max(jnp.abs(leaf))
-    )
-    larger = jnp.maximum(value.open, entry)
-    return value._replace(
-      open=jnp.where(micro_batch.counts, larger, value.open)
-    )
+  def add(self, largest: jax.Array, micro_batch: parts.MicroBatch) -> Any:
+    entries = [
+      jnp.max(jnp.abs(leaf)) for leaf in jax.tree.leaves(micro_batch.grads)
+    ]
+    larger = jnp.maximum(largest, jnp.max(jnp.stack(entries)))
+    return jnp.where(micro_batch.counts, larger, largest)
 
-  def close(
-    self, value: LargestEntry, closing: parts.WindowClosing
-  ) -> tuple[LargestEntry, LargestReport]:
-    largest = closing.held.combine(value.open, self.combine)
-    return value._replace(last=largest), LargestReport(largest)
-
-  def restart(self, value: LargestEntry) -> LargestEntry:
-    return value._replace(open=jnp.zeros_like(value.open))
+  def close(self, largest: jax.Array, closing: parts.Closing) -> LargestReport:
+    del closing  # the largest entry is all the report says
+    return LargestReport(largest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,14 +106,16 @@ def with_largest_entry(axis_name: Any = None, window_length: Any = None) -> Any:
   )
   if window_length is not None:
     window = dataclasses.replace(window, window_length=window_length)
+  largest = parts.Windowing(LargestEntryPart())
   return transform.emitting_updates(
-    dataclasses.replace(window, parts=(*window.parts, LargestEntryPart()))
+    dataclasses.replace(window, parts=(*window.parts, largest))
   )
 
 
 def largest_of(state: Any) -> float:
-  (value,) = [part for part in state.parts if isinstance(part, LargestEntry)]
-  return float(value.last)
+  """The largest entry the state's last closed window reported."""
+  (value,) = [part for part in state.parts if isinstance(part, parts.Windowed)]
+  return float(value.last.largest)
 
 
 def assert_largest_of_window(state, grads, weights, call: int) -> float:
@@ -257,5 +248,137 @@ def test_a_report_no_part_gives_is_a_clear_error():
     full=jnp.bool_(True),
     reports=(),
   )
-  with pytest.raises(ValueError, match="0 reports of type LargestReport"):
+  with pytest.raises(
+    ValueError, match="0 of the parts reported a LargestReport"
+  ):
     closed.report(LargestReport)
+
+
+# The scan: one call's batch of K micro-batches on each device.
+ROWS = 2  # per micro-batch and device
+FEATURES = 4
+
+
+def row_loss(w: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+  """The mean squared error of the batch's rows."""
+  return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+
+def counted_rows(batch: dict[str, jax.Array]) -> jax.Array:
+  """A micro-batch's weight: its rows that count (a mask), 0 for none."""
+  return jnp.sum(batch["mask"])
+
+
+def scan_with_largest_entry(axis_name: Any = None) -> Any:
+  """The scan measuring the noise scale, plus the toy part."""
+  microbatching = microbatch.resolve(
+    row_loss,
+    K,
+    has_aux=False,
+    weight_fn=counted_rows,
+    accumulator_dtype=jnp.float32,
+    checkpoint_policy=None,
+    remat=False,
+    in_axes=0,
+    noise_scale=True,
+  )
+  weighting = microbatching.weighting
+  microbatching = microbatching._replace(
+    weighting=weighting._replace(parts=(*weighting.parts, LargestEntryPart()))
+  )
+  return microbatch.summing(microbatching, in_axes=0, axis_name=axis_name)
+
+
+def scan_batch(devices: int, seed: int) -> dict[str, np.ndarray]:
+  """Rows whose largest micro-gradient comes with weight 0."""
+  rng = np.random.default_rng(seed)
+  rows = devices * K * ROWS
+  batch = {
+    "x": rng.normal(size=(rows, FEATURES)).astype(np.float32),
+    "y": rng.normal(size=rows).astype(np.float32),
+    "mask": np.ones(rows, np.float32),
+  }
+  largest = np.argmax(np.abs(batch["y"]))
+  batch["y"][largest] *= 10  # its micro-batch's gradient the largest
+  for start, _ in micro_batch_rows(devices, rows):
+    if largest in start:
+      batch["mask"][start] = 0.0  # that micro-batch weighs nothing
+  return batch
+
+
+def micro_batch_rows(devices: int, rows: int) -> list[tuple[np.ndarray, int]]:
+  """Each micro-batch's rows, with its device: entries i, i + K, ... of it."""
+  share = rows // devices
+  return [
+    (device * share + np.arange(index, share, K), device)
+    for device in range(devices)
+    for index in range(K)
+  ]
+
+
+def largest_micro_gradient(
+  w: np.ndarray, batch: dict[str, np.ndarray], devices: int
+) -> float:
+  """The largest |g|∞ over micro-batches of positive weight (NumPy)."""
+  largest = 0.0
+  for rows, _ in micro_batch_rows(devices, len(batch["y"])):
+    if batch["mask"][rows].sum() == 0:
+      continue
+    x, y = batch["x"][rows].astype(np.float64), batch["y"][rows]
+    grad = 2 * x.T @ (x @ w - y) / len(rows)
+    largest = max(largest, float(np.max(np.abs(grad))))
+  return largest
+
+
+def test_the_scan_carries_the_new_part_on_one_device():
+  batch = scan_batch(devices=1, seed=2)
+  w = np.linspace(-1, 1, FEATURES).astype(np.float32)
+  result = jax.jit(scan_with_largest_entry())(jnp.asarray(w), batch)
+  largest = float(result.report(LargestReport).largest)
+  expected = largest_micro_gradient(w, batch, 1)
+  assert np.isfinite(largest)
+  assert largest == pytest.approx(expected, rel=1e-5)
+  # The weight-0 micro-batch held the batch's largest entry.
+  everything = dict(batch, mask=np.ones_like(batch["mask"]))
+  assert expected < largest_micro_gradient(w, everything, 1)
+  plain = ga_optax.microbatched_value_and_grad(
+    row_loss, K, weight_fn=counted_rows, noise_scale=True
+  )
+  _, grads, estimate = jax.jit(plain)(jnp.asarray(w), batch)
+  np.testing.assert_allclose(result.grads, grads, rtol=1e-6)
+  for field, plain_field in zip(
+    result.report(ga_optax.NoiseScaleEstimate), estimate, strict=True
+  ):
+    assert np.all(np.isfinite(field))
+    np.testing.assert_allclose(field, plain_field, rtol=1e-6)
+
+
+@pytest.mark.devices(DEVICES)
+def test_the_scan_combines_the_new_part_by_its_max_on_eight_devices():
+  batch = scan_batch(devices=DEVICES, seed=3)
+  w = np.linspace(-1, 1, FEATURES).astype(np.float32)
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+  scan = scan_with_largest_entry(axis_name="data")
+
+  def local(w, batch):
+    result = scan(w, batch)
+    return result.report(LargestReport).largest, result.grads
+
+  with jax.set_mesh(mesh):
+    largest, grads = jax.jit(
+      jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())
+      )
+    )(jax.device_put(w, P()), jax.device_put(batch, P("data")))
+  expected = largest_micro_gradient(w, batch, DEVICES)
+  assert np.isfinite(float(largest))
+  assert float(largest) == pytest.approx(expected, rel=1e-5)
+  everything = dict(batch, mask=np.ones_like(batch["mask"]))
+  assert expected < largest_micro_gradient(w, everything, DEVICES)
+  # The gradient is the large batch's, as without the part.
+  counted = batch["mask"] > 0
+  reference = jax.grad(row_loss)(
+    jnp.asarray(w), {key: value[counted] for key, value in batch.items()}
+  )
+  assert np.all(np.isfinite(grads))
+  np.testing.assert_allclose(grads, reference, rtol=1e-5, atol=1e-6)

@@ -262,7 +262,83 @@ class WindowPart(Protocol):
     ...
 
 
+class Windowed(NamedTuple):
+  """The value of a :class:`Part` the window carries (:class:`Windowing`).
+
+  Attributes:
+    open: the open window's sums, as this device holds them.
+    last: what the last window that closed with a step reported; zeros
+      before the first.
+  """
+
+  open: Any
+  last: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Windowing:
+  """A batch's :class:`Part`, carried by the window from call to call.
+
+  The part a batch sums within one call (:mod:`ga_optax._src.scan`) is
+  summed over a window's calls the same way: each micro-step adds to the
+  open window's sums, the window's close combines them over every device
+  and closes the part, and the sums restart. The last report is kept in
+  the state (:class:`Windowed`) and handed to what follows the window
+  (:class:`ClosedWindow`). A feature written as a :class:`Part` is so
+  carried by both drivers.
+
+  Attributes:
+    part: the batch's part.
+  """
+
+  part: Part
+
+  def init(self, held: Held, params: Any) -> Windowed:
+    del held  # the part's zero is how a device holds its sums
+    zero = self.part.zero()
+    # The report's zeros, shaped as a close of this window would give it.
+    mean_grads = jax.tree.map(
+      lambda leaf: leaf if hasattr(leaf, "dtype") else None, params
+    )
+    report = jax.eval_shape(
+      lambda: self.part.close(
+        zero, Closing(mean_grads, jnp.zeros((), jnp.float32))
+      )
+    )
+    no_report = jax.tree.map(
+      lambda shape: jnp.zeros(shape.shape, shape.dtype), report
+    )
+    return Windowed(zero, no_report)
+
+  def add(self, value: Windowed, micro_batch: MicroBatch) -> Windowed:
+    return value._replace(open=self.part.add(value.open, micro_batch))
+
+  def close(
+    self, value: Windowed, closing: WindowClosing
+  ) -> tuple[Windowed, Any]:
+    sums = closing.held.combine(value.open, self.part.combine)
+    report = self.part.close(sums, Closing(closing.mean_grads, closing.weight))
+    return value._replace(last=report), report
+
+  def restart(self, value: Windowed) -> Windowed:
+    return value._replace(open=jax.tree.map(jnp.zeros_like, value.open))
+
+
 Report = TypeVar("Report")
+
+
+def report_of(reports: tuple[Any, ...], kind: type[Report]) -> Report:
+  """The one report of type ``kind`` among ``reports``.
+
+  Raises:
+    ValueError: no part, or several, reported one.
+  """
+  found = [report for report in reports if isinstance(report, kind)]
+  if len(found) != 1:
+    raise ValueError(
+      f"{len(found)} of the parts reported a {kind.__name__}, not one."
+    )
+  return found[0]
 
 
 class ClosedWindow(NamedTuple):
@@ -285,15 +361,5 @@ class ClosedWindow(NamedTuple):
   reports: tuple[Any, ...]
 
   def report(self, kind: type[Report]) -> Report:
-    """The one report of type ``kind``.
-
-    Raises:
-      ValueError: no part, or several, reported one.
-    """
-    found = [report for report in self.reports if isinstance(report, kind)]
-    if len(found) != 1:
-      raise ValueError(
-        f"the closed window holds {len(found)} reports of type"
-        f" {kind.__name__}, not one."
-      )
-    return found[0]
+    """The one report of type ``kind`` (see :func:`report_of`)."""
+    return report_of(self.reports, kind)

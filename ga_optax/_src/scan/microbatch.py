@@ -42,7 +42,7 @@ from ga_optax._src.scan.microbatch_scan import (
 )
 
 
-def _check_options(
+def resolve(
   fun: Any,
   num_microbatches: Any,
   *,
@@ -54,7 +54,12 @@ def _check_options(
   in_axes: Any,
   noise_scale: Any = False,
 ) -> Microbatching:
-  """Checks the arguments; returns the :class:`Microbatching` they describe."""
+  """Checks the arguments; returns the :class:`Microbatching` they describe.
+
+  A micro-batching with one more part
+  (``weighting=microbatching.weighting._replace(parts=...)``) sums it
+  beside the gradient, and :func:`summing` reports it, with no edit here.
+  """
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {type(fun).__name__}.")
   num_microbatches = validation.check_positive_int(
@@ -95,7 +100,7 @@ def _check_options(
     weighting=Weighting(
       weight_fn=weight_fn,
       accumulator_dtype=accumulator_dtype,
-      noise=noise_lib.NoiseTermsPart() if noise_scale else None,
+      parts=(noise_lib.NoiseTermsPart(),) if noise_scale else (),
     ),
     num_microbatches=num_microbatches,
   )
@@ -275,7 +280,7 @@ def microbatched_value_and_grad(
     >>> bool(jnp.allclose(grads, jax.grad(sequence_loss)(w, batch)))
     True
   """
-  microbatching = _check_options(
+  microbatching = resolve(
     fun,
     num_microbatches,
     has_aux=has_aux,
@@ -286,26 +291,46 @@ def microbatched_value_and_grad(
     in_axes=in_axes,
     noise_scale=noise_scale,
   )
-  if axis_name is not None:
-    axes_lib.as_axes(axis_name, "axis_name")
+  results = summing(microbatching, in_axes=in_axes, axis_name=axis_name)
 
   @functools.wraps(fun)
   def value_and_grad_fn(
     params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
   ) -> Any:
-    inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
-    mesh_axes, manual_axes = data_parallel_axes(inputs, axis_name)
-    if mesh_axes:
-      result = per_device_sums(
-        microbatching, mesh_axes, inputs, ReducedAfterScan()
-      )
-    else:
-      result = local_or_manual(microbatching, manual_axes, inputs)
+    result = results(params, batch, *args, rng=rng, **kwargs)
     output = _value_and_grad(result, has_aux)
-    return (*output, result.estimate) if noise_scale else output
+    if noise_scale:
+      return (*output, result.report(noise_lib.NoiseScaleEstimate))
+    return output
 
   # The params' Python numbers are not differentiated: they stay static.
   return eager.compiled_when_eager(value_and_grad_fn, numbers_static_in=(0,))
+
+
+def summing(
+  microbatching: Microbatching, *, in_axes: Any, axis_name: Any
+) -> Callable[..., Result]:
+  """``(params, batch, *args, rng=None, **kwargs) -> Result`` of one scan.
+
+  The batch split by ``in_axes`` and its micro-batches summed by
+  ``microbatching``, over the devices of ``axis_name`` (or of the batch's
+  sharding): every part of the sums reports in ``Result.reports``.
+  """
+  if axis_name is not None:
+    axes_lib.as_axes(axis_name, "axis_name")
+
+  def result_of(
+    params: Any, batch: Any, *args: Any, rng: Any = None, **kwargs: Any
+  ) -> Result:
+    inputs = _inputs(params, batch, in_axes, args, kwargs, rng)
+    mesh_axes, manual_axes = data_parallel_axes(inputs, axis_name)
+    if mesh_axes:
+      return per_device_sums(
+        microbatching, mesh_axes, inputs, ReducedAfterScan()
+      )
+    return local_or_manual(microbatching, manual_axes, inputs)
+
+  return result_of
 
 
 def unreduced_value_and_grad(
@@ -411,7 +436,7 @@ def unreduced_value_and_grad(
     >>> float(weight)
     4.0
   """
-  microbatching = _check_options(
+  microbatching = resolve(
     fun,
     1,
     has_aux=has_aux,

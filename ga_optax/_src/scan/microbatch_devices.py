@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import AxisType, PartitionSpec
 
-from ga_optax._src.algebra import noise_scale as noise_lib
+from ga_optax._src.algebra import parts
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.scan import batch_layout
 from ga_optax._src.scan.microbatch_scan import (
@@ -52,14 +52,19 @@ class Result(NamedTuple):
       axes, when asked for).
     aux: the auxiliary outputs, stacked per micro-batch (and device).
     weight: the batch's total weight, the same on every device.
-    estimate: the noise scale's estimates, or None.
+    reports: what each part of the sums reported when they closed
+      (:meth:`Weighting.close`), the same on every device.
   """
 
   value: jax.Array
   grads: Any
   aux: Any
   weight: jax.Array
-  estimate: noise_lib.NoiseScaleEstimate | None
+  reports: tuple[Any, ...]
+
+  def report(self, kind: type[parts.Report]) -> parts.Report:
+    """The one report of type ``kind`` (see :func:`parts.report_of`)."""
+    return parts.report_of(self.reports, kind)
 
 
 class ReducedAfterScan:
@@ -74,9 +79,9 @@ class ReducedAfterScan:
     self, weighting: Weighting, sums: Sums, diff: Any, axes: axes_lib.Axes
   ) -> Result:
     """One device's result, from its own sums."""
-    sums = sums.reduced(axes, weighting.parts(diff))
-    value, grads, estimate = weighting.close(sums, diff)
-    return Result(value, grads, None, sums.weight, estimate)
+    sums = sums.reduced(axes, weighting.carried(diff))
+    value, grads, reports = weighting.close(sums, diff)
+    return Result(value, grads, None, sums.weight, reports)
 
   def outside(self, grads: Any, diff: Any, axes: axes_lib.Axes) -> Any:
     """The gradients as the caller gets them."""
@@ -103,7 +108,7 @@ class LeftUnreduced:
   def per_device(
     self, weighting: Weighting, sums: Sums, diff: Any, axes: axes_lib.Axes
   ) -> Result:
-    if any(part.combine != "sum" for part in weighting.parts(diff)):
+    if any(part.combine != "sum" for part in weighting.carried(diff)):
       raise ValueError(
         "unreduced_value_and_grad cannot leave Flax float8 state"
         " (_overwrite_with_gradient) unreduced: it is combined by a max, not"
@@ -116,7 +121,7 @@ class LeftUnreduced:
       sums._replace(value=value_sum, weight=weight_sum, parts=()), diff
     )
     stacked = jax.tree.map(lambda grad: grad[None], grads)
-    return Result(value, stacked, None, weight_sum, None)
+    return Result(value, stacked, None, weight_sum, ())
 
   def outside(self, grads: Any, diff: Any, axes: axes_lib.Axes) -> Any:
     return axes_lib.sum_to_unreduced(grads, diff, axes)
@@ -177,7 +182,7 @@ def per_device_sums(
     arrays,
     inputs.split,
     inputs.layout.split_axes,
-    # value, grads, aux (per device), weight, estimate.
+    # value, grads, aux (per device), weight, reports.
     out_specs=Result._make(
       (
         PartitionSpec(),
@@ -278,9 +283,9 @@ def local_or_manual(
   )
   weighting = microbatching.weighting
   if manual_axes:
-    sums = sums.reduced(manual_axes, weighting.parts(trainable.diff))
-  value, grads, estimate = weighting.close(sums, trainable.diff)
-  return Result(value, grads, aux, sums.weight, estimate)
+    sums = sums.reduced(manual_axes, weighting.carried(trainable.diff))
+  value, grads, reports = weighting.close(sums, trainable.diff)
+  return Result(value, grads, aux, sums.weight, reports)
 
 
 def unreduced_batch_axes(inputs: Inputs, unreduced_axes: Any) -> axes_lib.Axes:

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 from ga_optax._src import validation
 from ga_optax._src.algebra import dtypes, fp8, parts, weights
-from ga_optax._src.algebra import noise_scale as noise_lib
 from ga_optax._src.algebra.parts import Part
 from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.scan import batch_layout
@@ -124,9 +123,10 @@ class Sums(NamedTuple):
     value: ``sum(w_i * value_i)``.
     weight: ``sum(w_i)``.
     parts: each part's value (:mod:`ga_optax._src.algebra.parts`), in the
-      order of :meth:`Weighting.parts`: the noise scale's terms with
-      ``noise_scale``, then the float8 state's combination for Flax
-      variables with float8 state (``grads`` holds zeros there).
+      order of :meth:`Weighting.carried`: the parts asked for (the noise
+      scale's terms with ``noise_scale``), then the float8 state's
+      combination for Flax variables with float8 state (``grads`` holds
+      zeros there).
   """
 
   grads: Any
@@ -198,24 +198,28 @@ class Weighting(NamedTuple):
   Attributes:
     weight_fn: ``microbatch -> scalar weight``, or None for weight 1.
     accumulator_dtype: the floating dtype of the gradient sums.
-    noise: the noise scale's part, to measure it; else None.
+    parts: the parts asked for beside the gradient (the noise scale's
+      terms, with ``noise_scale``), each reporting when the sums close.
   """
 
   weight_fn: WeightFn | None
   accumulator_dtype: jnp.dtype
-  noise: noise_lib.NoiseTermsPart | None = None
+  parts: tuple[Part, ...] = ()
 
-  def parts(self, diff: Any) -> tuple[Part, ...]:
-    """The parts these sums carry, for the differentiated params ``diff``."""
-    found: list[Part] = []
-    if self.noise is not None:
-      found.append(self.noise)
+  def carried(self, diff: Any) -> tuple[Part, ...]:
+    """The parts these sums carry, for the differentiated params ``diff``.
+
+    The parts asked for, then float8's where ``diff`` holds float8 state.
+    """
     start = fp8.split_variables(diff)[1]
-    if start is not None:
-      # Each micro-batch's loss is its share of the batch's: the window
-      # sums the output-gradient amaxes instead of averaging them.
-      found.append(fp8.Fp8Part(start, reduction="sum", scaled_to_share=True))
-    return tuple(found)
+    if start is None:
+      return self.parts
+    # Each micro-batch's loss is its share of the batch's: the window
+    # sums the output-gradient amaxes instead of averaging them.
+    return (
+      *self.parts,
+      fp8.Fp8Part(start, reduction="sum", scaled_to_share=True),
+    )
 
   def zeros(self, diff: Any) -> Sums:
     """Empty sums for the differentiated params ``diff``."""
@@ -230,7 +234,7 @@ class Weighting(NamedTuple):
       ),
       value=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
       weight=jnp.zeros((), dtypes.weight_dtype(self.accumulator_dtype)),
-      parts=tuple(part.zero() for part in self.parts(diff)),
+      parts=tuple(part.zero() for part in self.carried(diff)),
     )
 
   def weight_of(self, microbatch: Any) -> jax.Array:
@@ -254,7 +258,7 @@ class Weighting(NamedTuple):
     micro_batch = parts.MicroBatch.whole(grads, weight, micro_gradient=summed)
     new_parts = tuple(
       part.add(value, micro_batch)
-      for part, value in zip(self.parts(diff), sums.parts, strict=True)
+      for part, value in zip(self.carried(diff), sums.parts, strict=True)
     )
     grads = summed
     factor = 1 if self.weight_fn is None else weight
@@ -271,12 +275,13 @@ class Weighting(NamedTuple):
 
   def close(
     self, sums: Sums, diff: Any
-  ) -> tuple[jax.Array, Any, noise_lib.NoiseScaleEstimate | None]:
-    """``(value, grads, estimate)``: the means, grads in diff's dtypes.
+  ) -> tuple[jax.Array, Any, tuple[Any, ...]]:
+    """``(value, grads, reports)``: the means, grads in diff's dtypes.
 
     Weights that sum to 0 or less (a batch of padding only, or one whose
     traced negative weights outweigh the rest) give zeros, as such a window
-    of ``accumulate`` does. The estimate is the noise scale's, or None.
+    of ``accumulate`` does. ``reports``: what each carried part's close
+    gives, in their order; none where the sums carry no parts.
     """
     scale = weights.reciprocal(sums.weight)
     mean = jax.tree.map(
@@ -286,18 +291,16 @@ class Weighting(NamedTuple):
     grads = jax.tree.map(
       lambda total, param: total.astype(jnp.result_type(param)), mean, diff
     )
-    estimate = None
+    reports = []
     # Sums handed out unreduced carry no parts: a part needs every device.
     if sums.parts:
-      for part, value in zip(self.parts(diff), sums.parts, strict=True):
-        closed = part.close(value, closing)
+      for part, value in zip(self.carried(diff), sums.parts, strict=True):
+        reports.append(part.close(value, closing))
         if isinstance(part, fp8.Fp8Part):
           # The float8 state's "gradient" is the large batch's new state.
           params_grads, _ = fp8.split_variables(grads)
-          grads = fp8.join_variables(grads, params_grads, closed)
-        elif isinstance(closed, noise_lib.NoiseScaleEstimate):
-          estimate = closed
-    return sums.value * scale, grads, estimate
+          grads = fp8.join_variables(grads, params_grads, reports[-1])
+    return sums.value * scale, grads, tuple(reports)
 
 
 class Microbatching(NamedTuple):

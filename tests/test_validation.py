@@ -8,6 +8,8 @@ accepted.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +70,40 @@ def test_bad_optimizer(optimizer):
 def test_bad_skip_nonfinite():
   with pytest.raises(TypeError, match="skip_nonfinite must be a bool"):
     ga_optax.accumulate(optax.sgd(0.1), 2, skip_nonfinite="yes")
+
+
+@pytest.mark.parametrize(
+  "entry", [ga_optax.accumulate, ga_optax.accumulate_and_apply]
+)
+def test_a_misspelt_keyword_is_named(entry):
+  with pytest.raises(TypeError, match="'reducton'; its keywords are reduction"):
+    entry(optax.sgd(0.1), 2, reducton="sum")
+
+
+@pytest.mark.parametrize(
+  "entry", [ga_optax.accumulate, ga_optax.accumulate_and_apply]
+)
+def test_the_signature_shows_every_keyword_with_its_default(entry):
+  parameters = inspect.signature(entry).parameters
+  assert list(parameters)[:2] == ["optimizer", "every_k"]
+  keywords = {
+    name: parameter.default
+    for name, parameter in parameters.items()
+    if parameter.kind == inspect.Parameter.KEYWORD_ONLY
+  }
+  # The contract's keywords and defaults (DESIGN.md, the public API).
+  assert keywords == {
+    "reduction": "mean",
+    "accumulator_dtype": jnp.float32,
+    "skip_nonfinite": False,
+    "axis_name": None,
+    "unreduced_axes": None,
+    "accumulator_memory_kind": None,
+    "inner_state_memory_kind": None,
+    "inner_state_axes": None,
+    "noise_scale_decay": None,
+    "lr_scaling": None,
+  }
 
 
 def test_bad_axis_name():

@@ -93,16 +93,8 @@ def with_largest_entry(axis_name: Any = None, window_length: Any = None) -> Any:
     optax.sgd(0.1),
     K,
     EmitUpdates(),
-    reduction="mean",
-    accumulator_dtype=jnp.float32,
-    skip_nonfinite=False,
     axis_name=axis_name,
-    unreduced_axes=None,
-    accumulator_memory_kind=None,
-    inner_state_memory_kind=None,
-    inner_state_axes=None,
     noise_scale_decay=DECAY,
-    lr_scaling=None,
   )
   if window_length is not None:
     window = dataclasses.replace(window, window_length=window_length)

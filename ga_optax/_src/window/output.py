@@ -45,6 +45,8 @@ class EmitUpdates:
   made for it.
   """
 
+  entry = "accumulate"  # the function whose output this is
+
   def carrier(self, updates_like: Any, carriers: dict[Carrier, Any]) -> Carrier:
     """The first of ``carriers`` that holds the updates exactly, or zeros."""
     for carrier, operand in carriers.items():
@@ -81,6 +83,8 @@ class ApplyToParams:
   they are donated to ``jit``: a micro-step that does not close the window
   neither reads nor writes them.
   """
+
+  entry = "accumulate_and_apply"  # the function whose output this is
 
   def carrier(self, updates_like: Any, carriers: dict[Carrier, Any]) -> Carrier:
     del updates_like, carriers

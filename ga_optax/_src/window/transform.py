@@ -13,9 +13,8 @@ with no edit here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, Unpack
 
-import jax.numpy as jnp
 import optax
 
 from ga_optax._src.batch_size import every_k as every_k_lib
@@ -25,20 +24,11 @@ from ga_optax._src.window.state import AccumulateState
 from ga_optax._src.window.window import Window
 
 
+@arguments.showing_window_options
 def accumulate(
   optimizer: optax.GradientTransformation,
   every_k: every_k_lib.EveryK,
-  *,
-  reduction: str = "mean",
-  accumulator_dtype: Any = jnp.float32,
-  skip_nonfinite: bool = False,
-  axis_name: Any = None,
-  unreduced_axes: Any = None,
-  accumulator_memory_kind: str | None = None,
-  inner_state_memory_kind: str | None = None,
-  inner_state_axes: Any = None,
-  noise_scale_decay: float | None = None,
-  lr_scaling: str | None = None,
+  **options: Unpack[arguments.WindowOptions],
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients of ``every_k`` micro-steps, then steps ``optimizer``.
 
@@ -65,9 +55,14 @@ def accumulate(
     every_k: micro-steps per window: an int, a jittable callable or a
       ``{update_step: k}`` dict of the applied-update count, or
       :func:`ga_optax.batch_size.adaptive_k`.
-    reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
-    accumulator_dtype: floating dtype of the accumulator.
-    skip_nonfinite: drop whole a micro-step whose gradients are not finite.
+    **options: the keywords below, each optional.
+
+  Keyword Args:
+    reduction: ``"mean"`` (weighted mean, the default) or ``"sum"``
+      (weighted sum).
+    accumulator_dtype: floating dtype of the accumulator (float32).
+    skip_nonfinite: drop whole a micro-step whose gradients are not finite
+      (default False).
     axis_name: inside ``jax.shard_map`` or ``pmap``, the data-parallel axes
       whose devices accumulate locally and reduce once per window.
     unreduced_axes: under a plain ``jax.jit``, the mesh axes the gradients
@@ -102,21 +97,7 @@ def accumulate(
     >>> updates["w"], bool(ga_optax.emitted(state))
     (Array([-0.25, -0.25, -0.25], dtype=float32), True)
   """
-  window = arguments.resolve(
-    optimizer,
-    every_k,
-    EmitUpdates(),
-    reduction=reduction,
-    accumulator_dtype=accumulator_dtype,
-    skip_nonfinite=skip_nonfinite,
-    axis_name=axis_name,
-    unreduced_axes=unreduced_axes,
-    accumulator_memory_kind=accumulator_memory_kind,
-    inner_state_memory_kind=inner_state_memory_kind,
-    inner_state_axes=inner_state_axes,
-    noise_scale_decay=noise_scale_decay,
-    lr_scaling=lr_scaling,
-  )
+  window = arguments.resolve(optimizer, every_k, EmitUpdates(), **options)
   return emitting_updates(window)
 
 
@@ -184,20 +165,11 @@ class FusedAccumulation(NamedTuple):
   apply: FusedApplyFn
 
 
+@arguments.showing_window_options
 def accumulate_and_apply(
   optimizer: optax.GradientTransformation,
   every_k: every_k_lib.EveryK,
-  *,
-  reduction: str = "mean",
-  accumulator_dtype: Any = jnp.float32,
-  skip_nonfinite: bool = False,
-  axis_name: Any = None,
-  unreduced_axes: Any = None,
-  accumulator_memory_kind: str | None = None,
-  inner_state_memory_kind: str | None = None,
-  inner_state_axes: Any = None,
-  noise_scale_decay: float | None = None,
-  lr_scaling: str | None = None,
+  **options: Unpack[arguments.WindowOptions],
 ) -> FusedAccumulation:
   """Gradient accumulation that updates the params itself, in one call.
 
@@ -220,25 +192,12 @@ def accumulate_and_apply(
   Args:
     optimizer: the optax transformation to apply once per window.
     every_k: micro-steps per window, as for :func:`ga_optax.accumulate`.
-    reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
-    accumulator_dtype: floating dtype of the accumulator.
-    skip_nonfinite: drop micro-steps whose gradients hold NaN or Inf.
-    axis_name: the data-parallel axes, manual inside ``jax.shard_map`` or
-      ``pmap``, as for :func:`ga_optax.accumulate`.
-    unreduced_axes: under a plain ``jax.jit``, the Explicit mesh axes the
-      gradients are unreduced over, as for :func:`ga_optax.accumulate`.
-    accumulator_memory_kind: a memory kind to keep the accumulator in
-      between calls, for example ``"pinned_host"``, as for
-      :func:`ga_optax.accumulate`: each call brings it to the device only to
-      add the gradient.
-    inner_state_memory_kind: a memory kind to keep ``optimizer``'s state
-      in; it visits the device only in the call that closes a window.
-    inner_state_axes: with ``unreduced_axes``, the mesh axes (or a tree of
-      specs) to shard ``optimizer``'s state over, as for
-      :func:`ga_optax.accumulate`.
-    noise_scale_decay: measure the gradient noise scale, as for
-      :func:`ga_optax.accumulate`.
-    lr_scaling: scale the updates with k, as for :func:`ga_optax.accumulate`.
+    **options: :func:`ga_optax.accumulate`'s keywords, with their meanings
+      there: ``reduction``, ``accumulator_dtype``, ``skip_nonfinite``,
+      ``axis_name``, ``unreduced_axes``, ``accumulator_memory_kind``,
+      ``inner_state_memory_kind`` (the optimizer's state then visits the
+      device only in the call that closes a window), ``inner_state_axes``,
+      ``noise_scale_decay`` and ``lr_scaling``.
 
   Returns:
     A :class:`FusedAccumulation` ``(init, apply)``.
@@ -259,21 +218,7 @@ def accumulate_and_apply(
     >>> params["w"], bool(ga_optax.emitted(state))
     (Array([0.75, 0.75, 0.75], dtype=float32), True)
   """
-  window = arguments.resolve(
-    optimizer,
-    every_k,
-    ApplyToParams(),
-    reduction=reduction,
-    accumulator_dtype=accumulator_dtype,
-    skip_nonfinite=skip_nonfinite,
-    axis_name=axis_name,
-    unreduced_axes=unreduced_axes,
-    accumulator_memory_kind=accumulator_memory_kind,
-    inner_state_memory_kind=inner_state_memory_kind,
-    inner_state_axes=inner_state_axes,
-    noise_scale_decay=noise_scale_decay,
-    lr_scaling=lr_scaling,
-  )
+  window = arguments.resolve(optimizer, every_k, ApplyToParams(), **options)
   return applying_to_params(window)
 
 

@@ -538,6 +538,39 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="a_windowed_part_restarts_at_a_sums_zero",
+    guarantee="the window's parts (each restarts at its own zero)",
+    defect="a batch's part carried by the window restarts at 0, not at its"
+    " own zero: a running minimum's next window starts from 0",
+    edits=(
+      Edit(
+        PARTS,
+        "        lambda zero, held: jnp.zeros_like(held) + zero,",
+        "        lambda zero, held: jnp.zeros_like(held),",
+      ),
+    ),
+    tests=(
+      "tests/test_window_parts.py::test_a_window_restarts_a_part_at_its_own_zero",
+    ),
+  ),
+  Mutant(
+    name="a_scan_part_combined_by_a_sum",
+    guarantee="the window's parts (each combined over devices by its own"
+    " combine)",
+    defect="the scan sums every part over the devices, a part combined by"
+    " a max too",
+    edits=(
+      Edit(
+        MICROBATCH,
+        "        parts.across_axes(value, part.combine, axes)",
+        '        parts.across_axes(value, "sum", axes)',
+      ),
+    ),
+    tests=(
+      "tests/test_window_parts.py::test_the_scan_combines_the_new_part_by_its_max_on_eight_devices",
+    ),
+  ),
+  Mutant(
     name="accumulator_left_on_device",
     guarantee="host memory (accumulator_memory_kind)",
     defect="update brings the accumulator to the device to add, and does"

@@ -374,3 +374,42 @@ def test_the_scan_combines_the_new_part_by_its_max_on_eight_devices():
   )
   assert np.all(np.isfinite(grads))
   np.testing.assert_allclose(grads, reference, rtol=1e-5, atol=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallestEntryPart:
+  """The smallest |g|∞ of a window's micro-gradients: its zero is +inf."""
+
+  combine: parts.Combine = "max"  # not read: one device here
+
+  def zero(self) -> jax.Array:
+    return jnp.full((), jnp.inf, jnp.float32)
+
+  def add(self, smallest: jax.Array, micro_batch: parts.MicroBatch) -> Any:
+    entry = jnp.max(jnp.abs(micro_batch.grads))
+    return jnp.where(micro_batch.counts, jnp.minimum(smallest, entry), smallest)
+
+  def close(self, smallest: jax.Array, closing: parts.Closing) -> jax.Array:
+    del closing
+    return smallest
+
+
+def test_a_window_restarts_a_part_at_its_own_zero():
+  windowing = parts.Windowing(SmallestEntryPart())
+  params = jnp.zeros(2)
+  value = windowing.init(parts.OnThisDevice(), params)
+  for grad in ([3.0, -1.0], [0.5, 2.0]):
+    micro_batch = parts.MicroBatch.whole(jnp.asarray(grad), 1.0)
+    value = windowing.add(value, micro_batch)
+  closing = parts.WindowClosing(
+    params, jnp.float32(2.0), parts.OnThisDevice(), (None, None)
+  )
+  value, report = windowing.close(value, closing)
+  assert float(report) == 2.0 and float(value.last) == 2.0
+  value = windowing.restart(value)
+  # A sum's zero would make the next window's smallest entry 0.
+  assert float(value.open) == np.inf
+  value = windowing.add(
+    value, parts.MicroBatch.whole(jnp.asarray([4.0, 1.0]), 1.0)
+  )
+  assert float(value.open) == 4.0

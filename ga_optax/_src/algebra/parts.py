@@ -321,7 +321,15 @@ class Windowing:
     return value._replace(last=report), report
 
   def restart(self, value: Windowed) -> Windowed:
-    return value._replace(open=jax.tree.map(jnp.zeros_like, value.open))
+    # The part's zero, typed as the sums are held (zeros_like keeps a
+    # value's varying axes inside a shard_map).
+    return value._replace(
+      open=jax.tree.map(
+        lambda zero, held: jnp.zeros_like(held) + zero,
+        self.part.zero(),
+        value.open,
+      )
+    )
 
 
 Report = TypeVar("Report")

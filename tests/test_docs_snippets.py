@@ -91,7 +91,11 @@ FENCE = re.compile(
 )
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(?P<reason>.*?)\s*-->\s*$")
 # A print call on one line, and the comment after it.
-PRINT_LINE = re.compile(r"^\s*(?P<call>print\(.*\))\s+#\s*(?P<comment>.*?)\s*$")
+PRINT_LINE = re.compile(
+  r"^(?P<indent>\s*)(?P<call>print\(.*\))(?:\s+#\s*(?P<comment>.*?))?\s*$"
+)
+# A comment alone on its line, with its indentation.
+COMMENT_LINE = re.compile(r"^(?P<indent>\s*)#\s*(?P<comment>.*?)\s*$")
 
 
 def _pages() -> list[str]:
@@ -136,16 +140,23 @@ def script(page: str) -> str:
 
 
 class Claim(NamedTuple):
-  """A line ``print(...)  # comment`` of a page's script."""
+  """A line ``print(...)  # comment`` of a page's script, or a line
+  ``print(...)`` with the comment on the lines right below it."""
 
   line: int
   comment: str
 
 
 def claims_in(source: str) -> list[Claim]:
-  """The one-line print calls of ``source`` that carry a comment."""
+  """The one-line print calls of ``source`` that carry a comment.
+
+  The comment is on the call's line, or, for a call without one, on the
+  comment lines right below it at the call's indentation (joined): a
+  claim too long for the call's line is a claim all the same.
+  """
+  lines = source.splitlines()
   found = []
-  for number, text in enumerate(source.splitlines(), start=1):
+  for number, text in enumerate(lines, start=1):
     match = PRINT_LINE.match(text)
     if not match:
       continue
@@ -153,7 +164,17 @@ def claims_in(source: str) -> list[Claim]:
       ast.parse(match.group("call"), mode="eval")
     except SyntaxError:
       continue  # A '#' inside the call's strings, or a call over lines.
-    found.append(Claim(number, match.group("comment")))
+    comment = match.group("comment")
+    if comment is None:
+      below = []
+      for following in lines[number:]:
+        line_comment = COMMENT_LINE.match(following)
+        if not line_comment or line_comment["indent"] != match["indent"]:
+          break
+        below.append(line_comment["comment"])
+      comment = " ".join(below) or None
+    if comment is not None:
+      found.append(Claim(number, comment))
   return found
 
 
@@ -352,10 +373,18 @@ def test_claims_are_one_line_print_calls_with_a_comment():
     x = 2  # 2
     print(x)
       print(int(x))  # 2: indented, in a loop
+    print(x + 1)
+    # 3 on the line below,
+    # and on the next
+      # not this one: indented deeper
+    print(x)
+
+    # not this one either: a line between
     """)
   assert claims_in(source) == [
     Claim(1, "1"),
     Claim(5, "2: indented, in a loop"),
+    Claim(6, "3 on the line below, and on the next"),
   ]
 
 

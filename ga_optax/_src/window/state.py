@@ -49,8 +49,9 @@ class AccumulateState(NamedTuple):
       ``accumulator_dtype`` (complex leaves in the complex dtype of that
       precision), with the tree of the params. Every close leaves it at
       zero, in either schedule (``closing=``), and every micro-step adds to
-      it: a state saved by 0.5 or earlier at a window boundary held the last
-      window's sums there and needs zeroing once (CHANGELOG). With
+      it (a checkpoint of 0.5 or earlier, whose boundary states held the
+      last window's sums there, carries over as the page "Checkpointing"
+      shows). With
       ``unreduced_axes`` its leaves are ``unreduced`` over those mesh axes:
       each device holds its own partial sum. With
       ``accumulator_memory_kind`` its leaves live in that memory kind.

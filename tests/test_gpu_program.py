@@ -469,6 +469,20 @@ def test_without_collectives_the_closing_side_stays_on_the_host():
 # gradient itself, which the plain add no longer writes: 160.3 MiB against
 # the 112.3 of a micro-step without it (0.5: 144.3 for both). Held to what
 # they are, so that they cannot grow unseen.
+#
+# Why they stay (measured on jax 0.10.2 and 0.12.0.1, 2026-11-29): the
+# closing step's updates leave the branch as a buffer that the caller's
+# apply_updates reads (48 MiB), and zeroing the accumulator after that
+# read is a pass of its own (32 MiB: it reads what it zeroes). Zeros
+# written without reading (jnp.zeros_like) become one broadcast that XLA
+# copies into each leaf of the same shape (236.3 MiB in all); even a
+# zeroing that only writes would leave the step at 224.3 MiB, 1.40x plain
+# Adam's on 0.12. Leaving the accumulator unzeroed instead (0.5's
+# way) makes every micro-step select it: XLA:GPU then no longer adds in
+# the matrix product's epilogue (the floor with such a select or multiply
+# moves 96.3 MiB, against 64.3), and the micro-step target is lost. The
+# norm and the add in one pass over the gradient would move 144.3 MiB
+# (1.28x); XLA:GPU makes them two.
 KNOWN_MISSES = {
   ("accumulate(adam) closing step / plain Adam step", (0, 10)): 1.50,
   ("noise-scale micro-step / micro-step without", (0, 10)): 1.43,

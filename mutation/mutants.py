@@ -269,6 +269,22 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="zeros_read_from_the_accumulator",
+    guarantee="cost (accumulate's closing step zeroes without reading)",
+    defect="the accumulator's zeros are computed from it (leaf * 0): the"
+    " closing side's zeroing, after apply_updates has read the updates out"
+    " of its buffer, reads the buffer it writes",
+    edits=(
+      Edit(
+        LOCAL,
+        "  return ((iota + (index + 1)) * 0).astype(leaf.dtype)\n",
+        "  del iota\n"
+        "  return jnp.where(jnp.isfinite(leaf), leaf * 0, jnp.zeros_like(leaf))\n",
+      ),
+    ),
+    tests=("tests/test_gpu_program.py::test_bytes_moved_meet_the_targets",),
+  ),
+  Mutant(
     name="optimizer_runs_every_micro_step",
     guarantee="cost (the optimizer is not evaluated on micro-steps)",
     defect="both sides run on every micro-step and a select picks one,"
@@ -1623,7 +1639,10 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         LOCAL,
-        "    return jax.tree.map(zeroed, accumulator)",
+        "    leaves, treedef = jax.tree.flatten(accumulator)\n"
+        "    return jax.tree.unflatten(\n"
+        "      treedef, [zeroed(leaf, index) for index, leaf in enumerate(leaves)]\n"
+        "    )",
         "    return accumulator",
       ),
     ),

@@ -10,11 +10,12 @@ On a TPU the window takes its loop form (the platform's). The device's
 schedule keeps the optimizer off the micro-step, and the host's schedule
 (``closing=``) compiles to programs without control flow. Every audit has a
 planted control, a program that breaks its claim and fails it. One claim
-fails on a TPU and is held as a known miss, twice: ``accumulate``'s
-device-scheduled program duplicates its accumulator on every call (the
-updates the closing side wrote into its buffer, copied before it is
-zeroed), in on-chip memory at 4 x 1024² and in HBM at 4 x 4096², where it
-peaks above MultiSteps. ``accumulate_and_apply`` duplicates nothing.
+fails on a TPU and is held as a known miss: at 4 x 4096², past the chip's
+on-chip memory, ``accumulate``'s device-scheduled program duplicates its
+accumulator in HBM on every call (the updates the closing side wrote into
+its buffer, copied before it is zeroed) and peaks above MultiSteps; at
+4 x 1024² it duplicates nothing. ``accumulate_and_apply`` duplicates
+nothing.
 """
 
 from __future__ import annotations
@@ -307,13 +308,11 @@ def test_the_audit_tells_memory_space_moves_from_duplicates():
   assert sum(copy.bytes for copy in moves) >= PARAM_BYTES
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason="known miss: on a TPU the device-scheduled window duplicates four"
-  " parameter-sized buffers in on-chip memory on every call",
-)
 def test_the_device_scheduled_micro_step_duplicates_no_parameter():
+  """The closing side zeroes the accumulator with zeros it writes without
+  reading (placements/local.py: zeroed); zeros read from the updates'
+  buffer made the TPU compiler copy four parameter-sized buffers in
+  on-chip memory on every call."""
   micro = testing.path_audit(compiled("accumulate"), "micro_step")
   assert large_duplicates(micro) == []
 

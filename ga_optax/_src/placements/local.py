@@ -59,7 +59,10 @@ class DeviceSums(abc.ABC):
     return True
 
   def emptied(self, accumulator: Any) -> Any:
-    return jax.tree.map(zeroed, accumulator)
+    leaves, treedef = jax.tree.flatten(accumulator)
+    return jax.tree.unflatten(
+      treedef, [zeroed(leaf, index) for index, leaf in enumerate(leaves)]
+    )
 
   def zero_total(self) -> jax.Array:
     return jnp.zeros((), jnp.float32)
@@ -130,12 +133,22 @@ class Local(DeviceSums):
     return accumulator
 
 
-def zeroed(leaf: jax.Array) -> jax.Array:
-  """Zeros made from ``leaf``, to be written over it in place.
+def zeroed(leaf: jax.Array, index: int) -> jax.Array:
+  """Zeros to be written over ``leaf``, the ``index``-th leaf, in place.
 
-  A broadcast 0 would be one constant that XLA shares among the leaves of
-  one shape and then copies into each leaf's buffer; zeros computed from the
-  leaf are written where it is read. A leaf that is not finite (a window
-  that overflowed) gives zeros too.
+  Made without reading anything, and as a computation of their own: a
+  broadcast 0 would be one constant that XLA shares among the leaves of one
+  shape and then copies into each leaf's buffer (a read and a write of
+  each), and zeros computed from the leaf (``leaf * 0``) read it. ``(iota +
+  index + 1) * 0`` differs from leaf to leaf as XLA sees it (it does not
+  fold a float times 0, which may be NaN), so each leaf's zeros are written
+  straight into its buffer: on the H100-compiled step of ``accumulate``,
+  the closing side's zeroing after ``apply_updates`` has read the updates
+  out of the accumulator moves half what it did.
   """
-  return jnp.where(jnp.isfinite(leaf), leaf * 0, jnp.zeros_like(leaf))
+  if not leaf.ndim:  # a scalar: nothing worth sharing or copying
+    return jnp.zeros_like(leaf)
+  iota = jax.lax.broadcasted_iota(
+    jnp.float32, leaf.shape, 0, out_sharding=jax.typeof(leaf).sharding
+  )
+  return ((iota + (index + 1)) * 0).astype(leaf.dtype)

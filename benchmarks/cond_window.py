@@ -1,17 +1,18 @@
-"""The window of ga_optax 0.3: one ``lax.cond`` per micro-step, for comparison.
+"""An earlier form of the window: one ``lax.cond`` per micro-step, to compare.
 
-0.3 added each micro-batch's gradient into the accumulator outside any
+That form added each micro-batch's gradient into the accumulator outside any
 branch, then chose with one ``lax.cond`` between stepping the optimizer and
 handing its operands back untouched: a branch that only forwards operands,
 which keeps XLA:GPU from turning the conditional into selects. On a GPU the
-host waits once for the conditional's predicate (0.4's two loops wait three
-times), but jax 0.10.2's XLA:GPU copied Adam's moments on every micro-step
-to make the forwarding branch's buffers its own; a later XLA may not.
+host waits once for the conditional's predicate (a form of two loops waited
+three times), but jax 0.10.2's XLA:GPU copied Adam's moments on every
+micro-step to make the forwarding branch's buffers its own; a later XLA may
+not.
 
 :func:`cond_window` rebuilds that structure for Adam (or any optimizer) with
 a fixed k and weight 1, small enough to read whole; it is exact (the
 window's mean gradient, one optimizer step per window). The run book times
-it beside 0.5's forms (``benchmarks/window_time.py``) and, with
+it beside today's forms (``benchmarks/window_time.py``) and, with
 :func:`figures`, counts its conditionals, copies and host waits beside
 ``accumulate``'s, under the jax of the machine at hand: as XLA:GPU compiles
 for a compile-only H100, and as the device at hand compiles for itself.
@@ -34,12 +35,12 @@ from benchmarks import workloads as workloads_lib
 from ga_optax import testing
 
 MIB = 2**20
-COND_WINDOW = "0.3 window (one lax.cond)"
+COND_WINDOW = "conditional window (one lax.cond)"
 Record = dict[str, Any]
 
 
 class CondWindowState(NamedTuple):
-  """The 0.3 window's state.
+  """The one-conditional window's state.
 
   Attributes:
     micro_step: micro-steps taken in the open window (int32).
@@ -58,7 +59,7 @@ def cond_window(
   optimizer: optax.GradientTransformation,
   every_k: int,
 ) -> tuple[Callable[[Any], CondWindowState], Callable[..., Any]]:
-  """``(init, step)`` of a train step windowed as 0.3 did it.
+  """``(init, step)`` of a train step windowed with one ``lax.cond``.
 
   Args:
     loss_fn: ``(params, batch) -> scalar``, the mean loss over a batch.
@@ -84,7 +85,7 @@ def cond_window(
     micro_step = state.micro_step + 1
     closes = micro_step >= every_k
     restarts = state.micro_step == 0
-    # The mean is taken in the add, outside the branch, as 0.3 did: the
+    # The mean is taken in the add, outside the branch, as that form did: the
     # closing branch then only runs the optimizer.
     scale = jnp.where(closes, 1.0 / every_k, 1.0)
     accumulator = jax.tree.map(
@@ -122,7 +123,7 @@ def cond_window(
 def _steps(
   workload: workloads_lib.Workload,
 ) -> dict[str, tuple[Callable[..., Any], Any]]:
-  """The 0.3 window and ``accumulate``'s default form, as ``(step, state)``."""
+  """The one-conditional window and ``accumulate``'s default form, as ``(step, state)``."""
   adam = optax.adam(1e-3)
   init, step = cond_window(workload.loss_fn, adam, workload.every_k)
   accumulate = ga_optax.accumulate(adam, workload.every_k)
@@ -205,7 +206,7 @@ def _here(step: Callable[..., Any], args: tuple[Any, ...]) -> Record:
 
 
 def figures(quick: bool) -> Record:
-  """The 0.3 window beside ``accumulate``: H100-compiled, and compiled here.
+  """The one-conditional window beside ``accumulate``: H100-compiled, and compiled here.
 
   The H100's figures need JAX's CUDA plugin; where it is missing, their
   place holds the reason.

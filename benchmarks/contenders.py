@@ -271,7 +271,7 @@ def window_contenders(
   """The forms of one window: plain Adam, ``optax.MultiSteps``, ga_optax's
   default form, the same under ``gpu_options`` (the GPU recipe, left out
   where None), both on the host's schedule (``closing=``), the same work by
-  hand (``benchmarks/host_scheduled.py``) and the 0.3 ``lax.cond`` window.
+  hand (``benchmarks/host_scheduled.py``) and the one-``lax.cond`` window.
 
   Adam's learning rate is :data:`LEARNING_RATE` throughout; each window
   adds ``every_k`` micro-batches of weight 1.
@@ -354,7 +354,7 @@ def window_contenders(
       _host_scheduled_calls(window),
     ),
     WindowContender(
-      "0.3 window (one lax.cond)",
+      "conditional window (one lax.cond)",
       "the gradient added outside, one lax.cond to step Adam",
       cond_init,
       (_jit(cond_step),) * k,

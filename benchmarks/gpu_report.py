@@ -16,7 +16,7 @@ top that none of its figures is a GPU figure. In order: ``environment``;
 ``compiled_h100`` (``benchmarks/compiled.py``'s steps compiled by XLA:GPU
 for a compile-only H100, which needs the CUDA plugin and, without a GPU,
 ``JAX_PLATFORMS=cpu``); ``window_time`` (every form of a window timed per
-call and per window, ``benchmarks/window_time.py``); ``cond_window`` (0.3's
+call and per window, ``benchmarks/window_time.py``); ``cond_window`` (the
 one-conditional window: its conditionals, copies and host waits under this
 jax, ``benchmarks/cond_window.py``); ``summation_orders`` (the demo's large
 batch in two orders, ``benchmarks/summation_orders.py``); ``compiled_here``

@@ -7,7 +7,7 @@ windows of ``contenders.window_contenders``: plain Adam (k steps),
 default form and under ``ga_optax.gpu_compiler_options()`` (the GPU recipe,
 where this ga_optax has it), both on the host's schedule (``closing=``),
 the same work written by hand (``benchmarks/host_scheduled.py``) and the
-0.3 ``lax.cond`` window
+one-``lax.cond`` window
 (``benchmarks/cond_window.py``).
 
 Each round runs, for every contender in an order that rotates from round to

@@ -669,8 +669,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_plain_jit_mesh.py::test_a_window_boundary_resumes_on_other_devices_with_another_k",
     ),
   ),
-  # Semantics settled by 0.5: each a defect an adversarial pass found, or a
-  # planted one the tests let through.
+  # Semantics settled before 0.6.0: each a defect an adversarial pass found,
+  # or a planted one the tests let through.
   Mutant(
     name="callable_k_below_one_kept",
     guarantee="schedules of k (a callable's k below 1 acts as 1)",

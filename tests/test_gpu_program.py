@@ -466,18 +466,19 @@ def test_without_collectives_the_closing_side_stays_on_the_host():
 # accumulate's closing step: its updates leave the closing side as a buffer
 # (the accumulator's) that the caller's apply_updates reads, and only then
 # can that buffer be zeroed, by a pass that writes zeros without reading
-# (placements/local.py: zeroed): 224.3 MiB, 16 more than 0.5's closing step
-# (1.33x plain Adam on jax 0.10.2, within the target; 1.40x on 0.12, whose
-# plain Adam step moves 8 MiB less), while its window of 4 calls moves 12%
-# less than 0.5's (561.3 MiB against 641.3). Less needs the zeroing gone,
-# and an accumulator left unzeroed (0.5's way) makes every micro-step select
+# (placements/local.py: zeroed): 224.3 MiB, 16 more than the closing step of
+# the earlier window that left its accumulator unzeroed (1.33x plain Adam on
+# jax 0.10.2, within the target; 1.40x on 0.12, whose plain Adam step moves
+# 8 MiB less), while its window of 4 calls moves 12% less than that window's
+# (561.3 MiB against 641.3). Less needs the zeroing gone, and an
+# accumulator left unzeroed (that window's way) makes every micro-step select
 # it: XLA:GPU then no longer adds in the matrix product's epilogue (the
 # floor with such a select, or a multiply, moves 96.3 MiB against 64.3),
 # and the micro-step target is lost.
 #
 # The noise-scale micro-step: the squared norm needs the gradient itself,
 # which the plain add no longer writes: 160.3 MiB against the 112.3 of a
-# micro-step without it (0.5: 144.3 for both). The norm and the add in one
+# micro-step without it (the earlier window: 144.3 for both). The norm and the add in one
 # pass over the gradient would move 144.3 (1.28x); XLA:GPU makes them two.
 #
 # Held to what they are, so that they cannot grow unseen.

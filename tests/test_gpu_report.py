@@ -207,7 +207,7 @@ def check_every_form_of_the_window_is_timed(section):
     "ga_optax.accumulate, host-scheduled",
     "ga_optax.accumulate_and_apply, host-scheduled",
     "host-scheduled window",
-    "0.3 window (one lax.cond)",
+    "conditional window (one lax.cond)",
   ]
   (record,) = section["results"].values()  # quick: the smallest MLP only
   assert (record["gpu_recipe"] is not None) == recipe
@@ -233,7 +233,7 @@ def check_the_cond_window_beside_accumulate(section):
   assert set(rows) == {
     (w, on) for w in windows for on in ("H100 (compile-only)", cpu)
   }
-  # On the CPU 0.3's window is one conditional (accumulate's takes the form
+  # On the CPU the one-conditional window is one conditional (accumulate's takes the form
   # the platform or GA_OPTAX_WINDOW_FORM chooses).
   for window in windows:
     here = rows[window, cpu]
@@ -244,7 +244,7 @@ def check_the_cond_window_beside_accumulate(section):
   if h100.get("unavailable"):
     assert "CUDA plugin" in h100["unavailable"]
     return
-  # XLA:GPU keeps 0.3's conditional (its open branch only forwards) and
+  # XLA:GPU keeps that window's conditional (its open branch only forwards) and
   # compiles accumulate's closing branches as loops: the closing side, the
   # step inside it, and the zeroing of the updates' buffer.
   assert (h100["conditionals"], h100["loops"]) == (1, 0), h100
@@ -415,7 +415,7 @@ def test_sections_after_the_time_budget_are_skipped(tmp_path):
 
 
 def test_the_cond_window_is_the_large_batch():
-  """The 0.3 window the run book times is exact: one Adam step per window
+  """The one-conditional window the run book times is exact: one Adam step per window
   on the window's mean gradient, window after window."""
   workload = workloads.mlp(64, 2, 8, 4)
   adam = optax.adam(1e-2)

@@ -49,8 +49,8 @@ class AccumulateState(NamedTuple):
       ``accumulator_dtype`` (complex leaves in the complex dtype of that
       precision), with the tree of the params. Every close leaves it at
       zero, in either schedule (``closing=``), and every micro-step adds to
-      it (a checkpoint of 0.5 or earlier, whose boundary states held the
-      last window's sums there, carries over as the page "Checkpointing"
+      it (a checkpoint of 0.2.0, whose boundary states held the last
+      window's sums there, carries over as the page "Checkpointing"
       shows). With
       ``unreduced_axes`` its leaves are ``unreduced`` over those mesh axes:
       each device holds its own partial sum. With

@@ -37,7 +37,7 @@ from ga_optax._src.window.transform import (
   accumulate_and_apply,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.6.0"
 
 __all__ = [
   "AccumulateState",

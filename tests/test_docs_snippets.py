@@ -655,6 +655,43 @@ def test_the_demo_and_the_test_commands_make_their_own_environments(page):
     assert f"{venv}/" in ignored, venv
 
 
+# The release a user installs: what pip gives, and what the CHANGELOG says.
+
+# hatchling's regex version source, which pyproject.toml's
+# [tool.hatch.version] uses: the first assignment to __version__ in the file.
+HATCH_VERSION = re.compile(
+  r"^(?:__version__|VERSION) *= *(['\"])v?(?P<version>.+?)\1",
+  re.MULTILINE | re.IGNORECASE,
+)
+RELEASE_HEADING = re.compile(
+  r"^(?P<version>\d+\.\d+\.\d+)(?: \((?P<date>\d{4}-\d{2}-\d{2})\))?$"
+)
+
+
+def test_the_changelog_sections_are_releases_the_newest_is_the_version():
+  import ga_optax
+
+  pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  version_file = ROOT / pyproject["tool"]["hatch"]["version"]["path"]
+  built = HATCH_VERSION.search(version_file.read_text())
+  assert built is not None, version_file
+  assert built["version"] == ga_optax.__version__
+  headings = re.findall(
+    r"^## (.*)$", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE
+  )
+  releases = [RELEASE_HEADING.match(heading) for heading in headings]
+  assert all(releases), headings  # no "Unreleased", no milestone
+  versions = [
+    tuple(int(part) for part in release["version"].split("."))
+    for release in releases
+    if release
+  ]
+  assert versions == sorted(versions, reverse=True), headings
+  newest = releases[0]
+  assert newest is not None and newest["date"], headings[0]
+  assert newest["version"] == ga_optax.__version__, headings[0]
+
+
 # Links to the pages that explain what a reader will meet.
 
 ROUNDING_EXPLAINED = (

@@ -131,6 +131,54 @@ def test_both_signatures_show_every_keyword_with_its_default():
   assert "lr_scaling: str | None = None" in text, text
 
 
+@pytest.mark.parametrize(
+  ("fused", "use_jit"),
+  [(False, False), (False, True), (True, False), (True, True)],
+  ids=["update-eager", "update-jit", "apply-eager", "apply-jit"],
+)
+def test_a_misspelt_call_keyword_is_refused_not_dropped(fused, use_jit):
+  # Extra keywords reach the optimizer only at a close, where optax.sgd
+  # drops them: a misspelt weight= would make an unweighted mean.
+  rng = np.random.default_rng(0)
+  grads = rng.normal(size=(2, 3)).astype(np.float32)
+  weights = [3.0, 1.0]
+  params = {"w": jnp.zeros(3)}
+  entry = ga_optax.accumulate_and_apply if fused else ga_optax.accumulate
+  tx = entry(optax.sgd(1.0), 2)
+
+  def call(g, state, **keywords):
+    if fused:
+      return tx.apply(params, g, state, **keywords)
+    return tx.update(g, state, params, **keywords)
+
+  if use_jit:
+    call = jax.jit(call)
+  state = tx.init(params)
+  for g, weight in zip(grads, weights, strict=True):
+    output, state = call({"w": jnp.asarray(g)}, state, weight=weight)
+  # SGD at rate 1 steps by minus the weighted mean of the two gradients.
+  reference = -(3.0 * grads[0] + 1.0 * grads[1]) / 4.0
+  stepped = output["w"] if fused else params["w"] + output["w"]
+  assert np.all(np.isfinite(stepped))
+  np.testing.assert_allclose(stepped, reference, rtol=1e-6)
+  state = tx.init(params)
+  g = {"w": jnp.asarray(grads[0])}
+  for misspelt, meant in [
+    ("wieght", "weight"),
+    ("closng", "closing"),
+    ("flsh", "flush"),
+    ("fp8state", "fp8_state"),
+  ]:
+    with pytest.raises(
+      TypeError,
+      match=f"{'apply' if fused else 'update'}\\(\\) got an unexpected"
+      f" keyword argument '{misspelt}'. Did you mean '{meant}'",
+    ):
+      call(g, state, **{misspelt: 3.0})
+  # A keyword for the optimizer, or for another member of a chain, passes.
+  call(g, state, value=jnp.asarray(1.0))
+
+
 def test_bad_axis_name():
   with pytest.raises(TypeError, match="axis_name must be None"):
     ga_optax.accumulate(optax.sgd(0.1), 2, axis_name=3)

@@ -27,7 +27,7 @@ from ga_optax._src.batch_size import adaptive
 from ga_optax._src.batch_size import every_k as every_k_lib
 from ga_optax._src.mixed_precision import loss_scaling, precision
 from ga_optax._src.placements import residency
-from ga_optax._src.window import micro_step
+from ga_optax._src.window import micro_step, schedule
 from ga_optax._src.window.output import ApplyToParams, EmitUpdates
 from ga_optax._src.window.state import AccumulateState
 from ga_optax._src.window.window import Window
@@ -173,6 +173,37 @@ def initializer(window: Window) -> Callable[[optax.Params], AccumulateState]:
   return init_fn
 
 
+# The keywords of a call (``update``, ``apply``) that the window reads.
+CALL_KEYWORDS = ("weight", "flush", "closing", "fp8_state")
+
+
+def refuse_misspelt_keywords(
+  output: EmitUpdates | ApplyToParams, extra_args: dict[str, Any]
+) -> None:
+  """Raises for an extra keyword that misspells one of :data:`CALL_KEYWORDS`.
+
+  Extra keywords reach the wrapped optimizer only when the window closes,
+  and optax's wrapper of a transformation without extra arguments drops
+  them: a misspelt ``weight=`` would be ignored without a word. Any other
+  extra keyword passes, as ``optax.chain`` hands every member all of them.
+
+  Raises:
+    TypeError: a keyword that Python's own rule takes for a misspelling of
+      one of the window's (``wieght=``, ``closng=``, ``flsh=``).
+  """
+  for name in extra_args:
+    intended = validation.misspelt(name, CALL_KEYWORDS)
+    if intended is not None:
+      raise TypeError(
+        f"{output.entry}(...).{output.call}() got an unexpected keyword"
+        f" argument {name!r}. Did you mean {intended!r}? Keywords other than"
+        f" {', '.join(CALL_KEYWORDS)} reach the wrapped optimizer's update"
+        " only when the window closes, where a transformation without"
+        " extra arguments drops them; one this near the window's own is"
+        " taken for a misspelling."
+      )
+
+
 def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
   """One ``update`` call of ``window``, compiled once per shapes when eager.
 
@@ -193,6 +224,9 @@ def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
     fp8_state: Any,
     extra_args: dict[str, Any],
   ) -> tuple[Any, AccumulateState]:
+    refuse_misspelt_keywords(window.output, extra_args)
+    # Read before the eager wrapper, which would trace a NumPy bool.
+    closing = schedule.check_closing(closing)
     arrays = (grads, state, params, weight, flush, fp8_state, extra_args)
     if not eager.is_traced(arrays):
       # In the window's weight dtype: a Python int, a NumPy float and an

@@ -54,12 +54,14 @@ def accumulate(
   ``update(grads, state, params, *, weight=1, flush=False, closing=None,
   fp8_state=None, **extra_args)``: ``weight`` is the micro-batch's (0 adds
   nothing, even a NaN gradient); ``flush=True`` closes the window now with
-  what it holds; ``closing`` a Python bool says which side this call runs,
-  as a training loop in Python knows (a program without control flow),
-  None leaves it to the device's count; ``fp8_state`` is a Flax float8
-  model's new state (:func:`ga_optax.apply_gradients` passes it); other
-  keywords go to ``optimizer.update`` when the window closes. Every
-  argument and keyword in full: docs/accumulate.md.
+  what it holds; ``closing`` a bool (Python's or NumPy's; static under
+  ``jax.jit``) says which side this call runs, as a training loop in
+  Python knows (a program without control flow), None leaves it to the
+  device's count; ``fp8_state`` is a Flax float8 model's new state
+  (:func:`ga_optax.apply_gradients` passes it); other keywords go to
+  ``optimizer.update`` when the window closes, but one that misspells these
+  four (``wieght=``) is a ``TypeError``. Every argument and keyword in
+  full: docs/accumulate.md.
 
   Args:
     optimizer: the optax transformation to apply once per window.
@@ -91,8 +93,9 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: an argument, or a call's ``grads``, state,
-      ``weight``, ``flush`` or ``closing``, that the window cannot take; the
-      message names it (docs/accumulate.md lists them).
+      ``weight``, ``flush``, ``closing`` or a misspelt keyword, that the
+      window cannot take; the message names it (docs/accumulate.md lists
+      them).
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax

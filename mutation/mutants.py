@@ -1758,4 +1758,53 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_tpu_program.py::test_the_audit_tells_memory_space_moves_from_duplicates",
     ),
   ),
+  Mutant(
+    name="closing_int_accepted_under_jit",
+    guarantee="the host's schedule (closing= is None or a bool)",
+    defect="closing=1 is taken for the host's word inside jax.jit, where"
+    " the value reaches update untraced (eagerly the wrapper traces the"
+    " int and the refusal still fires)",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "  if closing is None or isinstance(closing, bool):\n",
+        "  if closing is None or isinstance(closing, (bool, int)):\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_schedule.py::test_closing_of_another_type_is_refused",
+    ),
+  ),
+  Mutant(
+    name="numpy_bool_closing_traced",
+    guarantee="the host's schedule (closing= is None or a bool)",
+    defect="closing=np.bool_(True) is handed to the eager wrapper, which"
+    " traces it, and refused as if the user had traced it",
+    edits=(
+      Edit(
+        ARGUMENTS,
+        "    closing = schedule.check_closing(closing)\n",
+        "",
+      ),
+    ),
+    tests=(
+      "tests/test_host_schedule.py::test_a_numpy_bool_closing_is_the_hosts_word",
+    ),
+  ),
+  Mutant(
+    name="misspelt_call_keyword_forwarded",
+    guarantee="errors name the argument (a misspelt call keyword)",
+    defect="update(..., wieght=3.0) forwards wieght to the optimizer at the"
+    " close, where optax.sgd drops it: an unweighted mean, without a word",
+    edits=(
+      Edit(
+        ARGUMENTS,
+        "    refuse_misspelt_keywords(window.output, extra_args)\n",
+        "",
+      ),
+    ),
+    tests=(
+      "tests/test_validation.py::test_a_misspelt_call_keyword_is_refused_not_dropped",
+    ),
+  ),
 )

@@ -170,22 +170,71 @@ def test_schedules_switch_at_any_call():
   assert_close_and_finite(params, large_batch(optimizer, windows))
 
 
-def test_closing_must_be_a_python_bool():
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit-static"])
+def test_a_numpy_bool_closing_is_the_hosts_word(use_jit):
+  # A NumPy loop counter's comparison: concrete, as a Python bool is.
+  rng = np.random.default_rng(0)
+  grads = rng.normal(size=(5, 3)).astype(np.float32)
+  # k = 2; the second window is held open past it, to three micro-steps.
+  closings = np.array([False, True, False, False, True])
+  tx = ga_optax.accumulate_and_apply(optax.sgd(1.0), 2)
+  apply = tx.apply
+  if use_jit:
+    # Fresh: its first trace sees the NumPy bools, not Python ones.
+    apply = jax.jit(tx.apply, static_argnames="closing")
+  params = {"w": jnp.zeros(3)}
+  state = tx.init(params)
+  expected, held = np.zeros(3, np.float32), []
+  for g, closing in zip(grads, closings, strict=True):
+    assert type(closing) is np.bool_
+    params, state = apply(params, {"w": jnp.asarray(g)}, state, closing=closing)
+    held.append(g)
+    if closing:  # SGD at rate 1: minus the mean of what the window held
+      expected, held = expected - np.mean(held, axis=0), []
+    assert bool(ga_optax.emitted(state)) == bool(closing)
+    assert np.all(np.isfinite(params["w"]))
+    np.testing.assert_allclose(params["w"], expected, rtol=1e-6, atol=1e-7)
+  assert int(ga_optax.applied_updates(state)) == 2
+
+
+def test_a_traced_closing_is_told_to_be_static():
   tx = ga_optax.accumulate(optax.sgd(0.1), 2)
   params = init_params()
   grads = optax.tree.zeros_like(params)
   state = tx.init(params)
-  with pytest.raises(TypeError, match=r"closing must be None .* flush="):
-    tx.update(grads, state, params, closing=jnp.asarray(True))
-  with pytest.raises(TypeError, match="closing"):
-    tx.update(grads, state, params, closing=1)
 
   @jax.jit
-  def traced(grads, state, closes):
-    return tx.update(grads, state, params, closing=closes)
+  def step(grads, state, closing):
+    return tx.update(grads, state, params, closing=closing)
 
-  with pytest.raises(TypeError, match="closing must be None"):
-    traced(grads, state, True)
+  with pytest.raises(TypeError) as error:
+    step(grads, state, True)
+  message = str(error.value)
+  assert "closing is traced" in message, message
+  assert 'static_argnames="closing"' in message, message
+  # Not flush=, which would move the run to the device's schedule.
+  assert "flush" not in message, message
+
+
+@pytest.mark.parametrize(
+  "closing", [1, 0, "yes", jnp.asarray(True)], ids=["1", "0", "str", "array"]
+)
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_closing_of_another_type_is_refused(closing, use_jit):
+  tx = ga_optax.accumulate(optax.sgd(0.1), 2)
+  params = init_params()
+  grads = optax.tree.zeros_like(params)
+  update = tx.update
+  if use_jit:
+    # Inside jax.jit, as a step that marks closing static sees it: the value
+    # itself, not traced (the eager wrapper would trace a Python int).
+    def update(grads, state, params, closing):
+      return jax.jit(lambda g, s: tx.update(g, s, params, closing=closing))(
+        grads, state
+      )
+
+  with pytest.raises(TypeError, match=r"closing must be None .* got"):
+    update(grads, tx.init(params), params, closing=closing)
 
 
 @pytest.mark.parametrize("flush", [True, jnp.asarray(False)])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -89,13 +90,12 @@ class GrowPastLargest:
 
 def with_largest_entry(axis_name: Any = None, window_length: Any = None) -> Any:
   """``accumulate(sgd)`` measuring the noise scale, plus the toy part."""
-  window = arguments.resolve(
-    optax.sgd(0.1),
-    K,
-    EmitUpdates(),
-    axis_name=axis_name,
-    noise_scale_decay=DECAY,
+  # accumulate's arguments with their defaults, as resolve takes them.
+  given = inspect.signature(ga_optax.accumulate).bind(
+    optax.sgd(0.1), K, axis_name=axis_name, noise_scale_decay=DECAY
   )
+  given.apply_defaults()
+  window = arguments.resolve(*given.args, EmitUpdates(), **given.kwargs)
   if window_length is not None:
     window = dataclasses.replace(window, window_length=window_length)
   largest = parts.Windowing(LargestEntryPart())

@@ -8,6 +8,7 @@ trace error or, worse, a silently wrong accumulation.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -192,6 +193,43 @@ def check_flush(flush: Any) -> Any:
   raise TypeError(
     f"flush must be a Python bool or a boolean scalar array, got {flush!r}."
   )
+
+
+def misspelt(name: str, keywords: Sequence[str]) -> str | None:
+  """The one of ``keywords`` that ``name`` misspells, or None.
+
+  Python's own rule for its "Did you mean" suggestions: the keyword nearest
+  ``name`` whose edit cost is within a third of the letters involved (a
+  letter added, dropped or changed costs 2, a change of case 1).
+  """
+  nearest, nearest_cost = None, None
+  for keyword in keywords:
+    if keyword == name:
+      continue
+    cost = _edit_cost(name, keyword)
+    if cost <= (len(name) + len(keyword) + 3) * 2 // 6 and (
+      nearest_cost is None or cost < nearest_cost
+    ):
+      nearest, nearest_cost = keyword, cost
+  return nearest
+
+
+def _edit_cost(word: str, other: str) -> int:
+  """Levenshtein's distance, each edit 2 and a change of case 1."""
+  above = [2 * j for j in range(len(other) + 1)]
+  for i, letter in enumerate(word, 1):
+    row = [2 * i]
+    for j, other_letter in enumerate(other, 1):
+      change = (
+        0
+        if letter == other_letter
+        else 1
+        if letter.lower() == other_letter.lower()
+        else 2
+      )
+      row.append(min(above[j] + 2, row[j - 1] + 2, above[j - 1] + change))
+    above = row
+  return above[-1]
 
 
 def is_array(leaf: Any) -> bool:

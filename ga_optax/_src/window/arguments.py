@@ -13,13 +13,12 @@ the parts it sums beside the gradient. :func:`initializer` and
 from __future__ import annotations
 
 import functools
-import inspect
-import typing
-from collections.abc import Callable
-from typing import Any, TypedDict, TypeVar, Unpack
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from ga_optax._src import eager, validation
 from ga_optax._src import placements as parallel
@@ -28,82 +27,42 @@ from ga_optax._src.batch_size import adaptive
 from ga_optax._src.batch_size import every_k as every_k_lib
 from ga_optax._src.mixed_precision import loss_scaling, precision
 from ga_optax._src.placements import residency
-from ga_optax._src.window import micro_step
+from ga_optax._src.window import micro_step, schedule
 from ga_optax._src.window.output import ApplyToParams, EmitUpdates
 from ga_optax._src.window.state import AccumulateState
 from ga_optax._src.window.window import Window
 
-Entry = TypeVar("Entry", bound=Callable[..., Any])
-
-
-class WindowOptions(TypedDict, total=False):
-  """The keywords of ``accumulate``, which ``accumulate_and_apply`` takes too.
-
-  Each is written here once; their meanings: :func:`ga_optax.accumulate`
-  and docs/accumulate.md. A keyword not given takes its value in
-  :data:`DEFAULTS`, or None.
-  """
-
-  reduction: str
-  accumulator_dtype: Any
-  skip_nonfinite: bool
-  axis_name: Any
-  unreduced_axes: Any
-  accumulator_memory_kind: str | None
-  inner_state_memory_kind: str | None
-  inner_state_axes: Any
-  noise_scale_decay: float | None
-  lr_scaling: str | None
-
-
-# The keywords whose default is not None.
-DEFAULTS: WindowOptions = {
-  "reduction": "mean",
-  "accumulator_dtype": jnp.float32,
-  "skip_nonfinite": False,
-}
-
-
-def showing_window_options(entry: Entry) -> Entry:
-  """``entry(optimizer, every_k, **options)``, its keywords shown in full.
-
-  Its signature (``help``, ``inspect.signature``, an editor's hints) lists
-  every keyword of :class:`WindowOptions` with its default.
-  """
-  signature = inspect.signature(entry)
-  positional = [
-    parameter
-    for parameter in signature.parameters.values()
-    if parameter.kind != inspect.Parameter.VAR_KEYWORD
-  ]
-  keywords = [
-    inspect.Parameter(
-      name,
-      inspect.Parameter.KEYWORD_ONLY,
-      default=DEFAULTS.get(name),
-      annotation=annotation,
-    )
-    for name, annotation in typing.get_type_hints(WindowOptions).items()
-  ]
-  entry.__signature__ = signature.replace(  # type: ignore[attr-defined]
-    parameters=[*positional, *keywords]
-  )
-  return entry
+# The mesh axes an argument names: one name, or several.
+Axes = str | Sequence[str]
+# A tree of jax.sharding.PartitionSpec shaped like the params.
+PartitionSpecTree = Any
 
 
 def resolve(
   optimizer: Any,
   every_k: Any,
   output: EmitUpdates | ApplyToParams,
-  **options: Unpack[WindowOptions],
+  *,
+  reduction: str,
+  accumulator_dtype: DTypeLike,
+  skip_nonfinite: bool,
+  axis_name: str | tuple[str, ...] | None,
+  unreduced_axes: Axes | None,
+  accumulator_memory_kind: str | None,
+  inner_state_memory_kind: str | None,
+  inner_state_axes: Axes | PartitionSpecTree | None,
+  noise_scale_decay: float | None,
+  lr_scaling: str | None,
 ) -> Window:
-  """Checks :func:`accumulate`'s arguments; returns the window they ask for."""
-  given = _given(output, options)
-  skip_nonfinite = given.get("skip_nonfinite")
+  """Checks :func:`accumulate`'s arguments; returns the window they ask for.
+
+  Each keyword is :func:`ga_optax.accumulate`'s, given explicitly: the
+  defaults are written in the two public signatures alone.
+  """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
-  reduction = validation.check_reduction(given.get("reduction"))
-  decay = noise_scale.check_decay(given.get("noise_scale_decay"))
+  reduction = validation.check_reduction(reduction)
+  decay = noise_scale.check_decay(noise_scale_decay)
   if decay is not None and reduction != "mean":
     raise ValueError(
       "noise_scale_decay measures the spread of the micro-gradients around"
@@ -117,23 +76,23 @@ def resolve(
       " gradient noise scale: pass noise_scale_decay too (for example"
       " noise_scale_decay=0.95, averaging over about 20 windows)."
     )
-  accumulator_dtype = validation.check_accumulator_dtype(
-    given.get("accumulator_dtype")
-  )
+  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
   # Points at the user's call of accumulate or accumulate_and_apply.
   precision.warn_if_accumulator_too_narrow(
     accumulator_dtype, every_k, stacklevel=3
   )
-  placement = parallel.resolve(
-    given.get("axis_name"),
-    given.get("unreduced_axes"),
-    given.get("inner_state_axes"),
+  placement = parallel.resolve(axis_name, unreduced_axes, inner_state_axes)
+  accumulator_home, inner_state_home = _homes(
+    placement,
+    axis_name=axis_name,
+    unreduced_axes=unreduced_axes,
+    accumulator_memory_kind=accumulator_memory_kind,
+    inner_state_memory_kind=inner_state_memory_kind,
   )
-  accumulator_home, inner_state_home = _homes(given, placement)
   return Window(
     inner=validation.check_optimizer(optimizer),
     window_length=window_length,
-    lr_scaling=adaptive.LearningRateScaling.of(given.get("lr_scaling")),
+    lr_scaling=adaptive.LearningRateScaling.of(lr_scaling),
     reduction=reduction,
     accumulator_dtype=accumulator_dtype,
     skip_nonfinite=skip_nonfinite,
@@ -145,24 +104,15 @@ def resolve(
   )
 
 
-def _given(
-  output: EmitUpdates | ApplyToParams, options: WindowOptions
-) -> WindowOptions:
-  """``options`` over :data:`DEFAULTS`; a keyword not in them is refused."""
-  unknown = sorted(set(options) - set(WindowOptions.__annotations__))
-  if unknown:
-    raise TypeError(
-      f"{output.entry}() got an unexpected keyword argument {unknown[0]!r};"
-      f" its keywords are {', '.join(WindowOptions.__annotations__)}."
-    )
-  return {**DEFAULTS, **options}
-
-
 def _homes(
-  given: WindowOptions, placement: Any
+  placement: Any,
+  *,
+  axis_name: Any,
+  unreduced_axes: Any,
+  accumulator_memory_kind: Any,
+  inner_state_memory_kind: Any,
 ) -> tuple[residency.Residency, residency.Residency]:
   """Where the accumulator and the optimizer's state are kept between calls."""
-  axis_name = given.get("axis_name")
   # Where jax.grad through state kept in host memory fails inside JAX:
   # shard_map's transpose hands back device-memory cotangents for its
   # host-memory operands, and the cotangent of an accumulator typed
@@ -171,10 +121,10 @@ def _homes(
   if axis_name is not None:
     in_shard_map = f"jax.shard_map (axis_name={axis_name!r})"
   if placement.unreduced_axes:
-    partial_sums = f"unreduced_axes={given.get('unreduced_axes')!r}"
+    partial_sums = f"unreduced_axes={unreduced_axes!r}"
   accumulator_home = residency.Residency(
     residency.check_memory_kind(
-      given.get("accumulator_memory_kind"), "accumulator_memory_kind"
+      accumulator_memory_kind, "accumulator_memory_kind"
     ),
     field="accumulator",
     argument="accumulator_memory_kind",
@@ -182,7 +132,7 @@ def _homes(
   )
   inner_state_home = residency.Residency(
     residency.check_memory_kind(
-      given.get("inner_state_memory_kind"), "inner_state_memory_kind"
+      inner_state_memory_kind, "inner_state_memory_kind"
     ),
     field="inner_state",
     argument="inner_state_memory_kind",
@@ -223,6 +173,37 @@ def initializer(window: Window) -> Callable[[optax.Params], AccumulateState]:
   return init_fn
 
 
+# The keywords of a call (``update``, ``apply``) that the window reads.
+CALL_KEYWORDS = ("weight", "flush", "closing", "fp8_state")
+
+
+def refuse_misspelt_keywords(
+  output: EmitUpdates | ApplyToParams, extra_args: dict[str, Any]
+) -> None:
+  """Raises for an extra keyword that misspells one of :data:`CALL_KEYWORDS`.
+
+  Extra keywords reach the wrapped optimizer only when the window closes,
+  and optax's wrapper of a transformation without extra arguments drops
+  them: a misspelt ``weight=`` would be ignored without a word. Any other
+  extra keyword passes, as ``optax.chain`` hands every member all of them.
+
+  Raises:
+    TypeError: a keyword that Python's own rule takes for a misspelling of
+      one of the window's (``wieght=``, ``closng=``, ``flsh=``).
+  """
+  for name in extra_args:
+    intended = validation.misspelt(name, CALL_KEYWORDS)
+    if intended is not None:
+      raise TypeError(
+        f"{output.entry}(...).{output.call}() got an unexpected keyword"
+        f" argument {name!r}. Did you mean {intended!r}? Keywords other than"
+        f" {', '.join(CALL_KEYWORDS)} reach the wrapped optimizer's update"
+        " only when the window closes, where a transformation without"
+        " extra arguments drops them; one this near the window's own is"
+        " taken for a misspelling."
+      )
+
+
 def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
   """One ``update`` call of ``window``, compiled once per shapes when eager.
 
@@ -243,6 +224,9 @@ def compiled_step(window: Window) -> Callable[..., tuple[Any, AccumulateState]]:
     fp8_state: Any,
     extra_args: dict[str, Any],
   ) -> tuple[Any, AccumulateState]:
+    refuse_misspelt_keywords(window.output, extra_args)
+    # Read before the eager wrapper, which would trace a NumPy bool.
+    closing = schedule.check_closing(closing)
     arrays = (grads, state, params, weight, flush, fp8_state, extra_args)
     if not eager.is_traced(arrays):
       # In the window's weight dtype: a Python int, a NumPy float and an

@@ -46,6 +46,7 @@ class EmitUpdates:
   """
 
   entry = "accumulate"  # the function whose output this is
+  call = "update"  # the function that makes the output
 
   def carrier(self, updates_like: Any, carriers: dict[Carrier, Any]) -> Carrier:
     """The first of ``carriers`` that holds the updates exactly, or zeros."""
@@ -85,6 +86,7 @@ class ApplyToParams:
   """
 
   entry = "accumulate_and_apply"  # the function whose output this is
+  call = "apply"  # the function that makes the output
 
   def carrier(self, updates_like: Any, carriers: dict[Carrier, Any]) -> Carrier:
     del updates_like, carriers

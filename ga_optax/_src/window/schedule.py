@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ga_optax._src import scopes
 from ga_optax._src.placements import residency
@@ -136,16 +137,43 @@ def of(closing: Any) -> Schedule:
   """The schedule ``update(..., closing=...)`` asks for.
 
   Raises:
-    TypeError: ``closing`` is neither None nor a Python bool (a traced
-      boolean cannot choose the program: use ``flush=`` for that).
+    TypeError: as :func:`check_closing`.
   """
+  closing = check_closing(closing)
   if closing is None:
     return DeviceScheduled()
-  if isinstance(closing, bool):
-    return HostScheduled(closing)
+  return HostScheduled(closing)
+
+
+def check_closing(closing: Any) -> bool | None:
+  """``closing`` as the schedule reads it: None, or a Python bool.
+
+  A NumPy bool (a NumPy loop counter's comparison, ``step % k == k - 1``)
+  is a value known in Python, read as the Python bool it holds.
+
+  Raises:
+    TypeError: ``closing`` is traced (under ``jax.jit``, a step argument
+      not marked static), or is neither None nor a bool.
+  """
+  if closing is None or isinstance(closing, bool):
+    return closing
+  if (
+    isinstance(closing, (np.bool_, np.ndarray))
+    and closing.shape == ()
+    and closing.dtype == np.bool_
+  ):
+    return bool(closing)
+  if isinstance(closing, jax.core.Tracer):
+    raise TypeError(
+      f"closing is traced ({closing!r}): it chooses the program compiled"
+      " (which side of the window this call runs), so its value must be"
+      " known in Python while the step is traced. Mark it static:"
+      ' jax.jit(step, static_argnames="closing") compiles one program for'
+      " closing=False and one for closing=True (eqx.filter_jit keeps a"
+      " Python bool static: pass bool(closing) there)."
+    )
   raise TypeError(
-    "closing must be None (the device decides from its counter) or a Python"
-    " bool (the host says whether this call closes the window), got"
-    f" {closing!r}. A traced boolean cannot choose the program: pass it as"
-    " flush= instead, which closes the window on the device."
+    "closing must be None (the device decides from its counter) or a bool,"
+    " Python or NumPy (the host says whether this call closes the window),"
+    f" got {closing!r}."
   )

@@ -13,9 +13,11 @@ with no edit here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, Unpack
+from typing import Any, NamedTuple, Protocol
 
+import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from ga_optax._src.batch_size import every_k as every_k_lib
 from ga_optax._src.window import arguments
@@ -24,11 +26,20 @@ from ga_optax._src.window.state import AccumulateState
 from ga_optax._src.window.window import Window
 
 
-@arguments.showing_window_options
 def accumulate(
   optimizer: optax.GradientTransformation,
   every_k: every_k_lib.EveryK,
-  **options: Unpack[arguments.WindowOptions],
+  *,
+  reduction: str = "mean",
+  accumulator_dtype: DTypeLike = jnp.float32,
+  skip_nonfinite: bool = False,
+  axis_name: str | tuple[str, ...] | None = None,
+  unreduced_axes: arguments.Axes | None = None,
+  accumulator_memory_kind: str | None = None,
+  inner_state_memory_kind: str | None = None,
+  inner_state_axes: arguments.Axes | arguments.PartitionSpecTree | None = None,
+  noise_scale_decay: float | None = None,
+  lr_scaling: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients of ``every_k`` micro-steps, then steps ``optimizer``.
 
@@ -43,21 +54,20 @@ def accumulate(
   ``update(grads, state, params, *, weight=1, flush=False, closing=None,
   fp8_state=None, **extra_args)``: ``weight`` is the micro-batch's (0 adds
   nothing, even a NaN gradient); ``flush=True`` closes the window now with
-  what it holds; ``closing`` a Python bool says which side this call runs,
-  as a training loop in Python knows (a program without control flow),
-  None leaves it to the device's count; ``fp8_state`` is a Flax float8
-  model's new state (:func:`ga_optax.apply_gradients` passes it); other
-  keywords go to ``optimizer.update`` when the window closes. Every
-  argument and keyword in full: docs/accumulate.md.
+  what it holds; ``closing`` a bool (Python's or NumPy's; static under
+  ``jax.jit``) says which side this call runs, as a training loop in
+  Python knows (a program without control flow), None leaves it to the
+  device's count; ``fp8_state`` is a Flax float8 model's new state
+  (:func:`ga_optax.apply_gradients` passes it); other keywords go to
+  ``optimizer.update`` when the window closes, but one that misspells these
+  four (``wieght=``) is a ``TypeError``. Every argument and keyword in
+  full: docs/accumulate.md.
 
   Args:
     optimizer: the optax transformation to apply once per window.
     every_k: micro-steps per window: an int, a jittable callable or a
       ``{update_step: k}`` dict of the applied-update count, or
       :func:`ga_optax.batch_size.adaptive_k`.
-    **options: the keywords below, each optional.
-
-  Keyword Args:
     reduction: ``"mean"`` (weighted mean, the default) or ``"sum"``
       (weighted sum).
     accumulator_dtype: floating dtype of the accumulator (float32).
@@ -70,7 +80,8 @@ def accumulate(
     accumulator_memory_kind: a memory kind to keep the accumulator in
       between calls (``"pinned_host"``); None: device memory.
     inner_state_memory_kind: the same for ``optimizer``'s state.
-    inner_state_axes: with ``unreduced_axes``, mesh axes to shard
+    inner_state_axes: with ``unreduced_axes``, mesh axes (or a tree of
+      ``jax.sharding.PartitionSpec`` shaped like the params) to shard
       ``optimizer``'s state over (ZeRO stage 1).
     noise_scale_decay: None, or a decay in [0, 1) to measure the gradient
       noise scale (:func:`ga_optax.noise_scale`).
@@ -82,8 +93,9 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: an argument, or a call's ``grads``, state,
-      ``weight``, ``flush`` or ``closing``, that the window cannot take; the
-      message names it (docs/accumulate.md lists them).
+      ``weight``, ``flush``, ``closing`` or a misspelt keyword, that the
+      window cannot take; the message names it (docs/accumulate.md lists
+      them).
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
@@ -97,7 +109,21 @@ def accumulate(
     >>> updates["w"], bool(ga_optax.emitted(state))
     (Array([-0.25, -0.25, -0.25], dtype=float32), True)
   """
-  window = arguments.resolve(optimizer, every_k, EmitUpdates(), **options)
+  window = arguments.resolve(
+    optimizer,
+    every_k,
+    EmitUpdates(),
+    reduction=reduction,
+    accumulator_dtype=accumulator_dtype,
+    skip_nonfinite=skip_nonfinite,
+    axis_name=axis_name,
+    unreduced_axes=unreduced_axes,
+    accumulator_memory_kind=accumulator_memory_kind,
+    inner_state_memory_kind=inner_state_memory_kind,
+    inner_state_axes=inner_state_axes,
+    noise_scale_decay=noise_scale_decay,
+    lr_scaling=lr_scaling,
+  )
   return emitting_updates(window)
 
 
@@ -165,11 +191,20 @@ class FusedAccumulation(NamedTuple):
   apply: FusedApplyFn
 
 
-@arguments.showing_window_options
 def accumulate_and_apply(
   optimizer: optax.GradientTransformation,
   every_k: every_k_lib.EveryK,
-  **options: Unpack[arguments.WindowOptions],
+  *,
+  reduction: str = "mean",
+  accumulator_dtype: DTypeLike = jnp.float32,
+  skip_nonfinite: bool = False,
+  axis_name: str | tuple[str, ...] | None = None,
+  unreduced_axes: arguments.Axes | None = None,
+  accumulator_memory_kind: str | None = None,
+  inner_state_memory_kind: str | None = None,
+  inner_state_axes: arguments.Axes | arguments.PartitionSpecTree | None = None,
+  noise_scale_decay: float | None = None,
+  lr_scaling: str | None = None,
 ) -> FusedAccumulation:
   """Gradient accumulation that updates the params itself, in one call.
 
@@ -192,12 +227,19 @@ def accumulate_and_apply(
   Args:
     optimizer: the optax transformation to apply once per window.
     every_k: micro-steps per window, as for :func:`ga_optax.accumulate`.
-    **options: :func:`ga_optax.accumulate`'s keywords, with their meanings
-      there: ``reduction``, ``accumulator_dtype``, ``skip_nonfinite``,
-      ``axis_name``, ``unreduced_axes``, ``accumulator_memory_kind``,
-      ``inner_state_memory_kind`` (the optimizer's state then visits the
-      device only in the call that closes a window), ``inner_state_axes``,
-      ``noise_scale_decay`` and ``lr_scaling``.
+    reduction: as for :func:`ga_optax.accumulate` (``"mean"`` or
+      ``"sum"``).
+    accumulator_dtype: as for :func:`ga_optax.accumulate` (float32).
+    skip_nonfinite: as for :func:`ga_optax.accumulate` (False).
+    axis_name: as for :func:`ga_optax.accumulate` (``shard_map``, ``pmap``).
+    unreduced_axes: as for :func:`ga_optax.accumulate` (plain ``jit``).
+    accumulator_memory_kind: as for :func:`ga_optax.accumulate`.
+    inner_state_memory_kind: as for :func:`ga_optax.accumulate`; the
+      optimizer's state then visits the device only in the call that closes
+      a window.
+    inner_state_axes: as for :func:`ga_optax.accumulate` (ZeRO stage 1).
+    noise_scale_decay: as for :func:`ga_optax.accumulate`.
+    lr_scaling: as for :func:`ga_optax.accumulate`.
 
   Returns:
     A :class:`FusedAccumulation` ``(init, apply)``.
@@ -218,7 +260,21 @@ def accumulate_and_apply(
     >>> params["w"], bool(ga_optax.emitted(state))
     (Array([0.75, 0.75, 0.75], dtype=float32), True)
   """
-  window = arguments.resolve(optimizer, every_k, ApplyToParams(), **options)
+  window = arguments.resolve(
+    optimizer,
+    every_k,
+    ApplyToParams(),
+    reduction=reduction,
+    accumulator_dtype=accumulator_dtype,
+    skip_nonfinite=skip_nonfinite,
+    axis_name=axis_name,
+    unreduced_axes=unreduced_axes,
+    accumulator_memory_kind=accumulator_memory_kind,
+    inner_state_memory_kind=inner_state_memory_kind,
+    inner_state_axes=inner_state_axes,
+    noise_scale_decay=noise_scale_decay,
+    lr_scaling=lr_scaling,
+  )
   return applying_to_params(window)
 
 

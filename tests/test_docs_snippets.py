@@ -757,3 +757,32 @@ def test_migration_moves_a_linen_train_state(monkeypatch, tmp_path):
   ]
   assert moved and len(moved) < len(states), [type(s.opt_state) for s in states]
   assert "ga_optax.apply_gradients(" in source
+
+
+# Every page that shows a training loop shows the host's schedule for GPUs,
+# with the reason, and links the run that measured it.
+
+TRAINING_LOOP_PAGES = [
+  "docs/getting-started.md",
+  "docs/migration.md",
+  "docs/how-to/linen.md",
+  "docs/how-to/nnx.md",
+  "docs/how-to/equinox.md",
+  "docs/how-to/optax-chain.md",
+  "docs/how-to/host-schedule.md",
+]
+GPU_RUN = "benchmarks.md#06-on-one-h200-2026-11-28"
+
+
+@pytest.mark.parametrize("page", TRAINING_LOOP_PAGES)
+def test_training_loops_show_the_hosts_schedule_for_gpus(page):
+  text = (ROOT / page).read_text()
+  code = "\n".join(code for _, code in blocks(page))
+  assert "closing=" in code, page
+  assert "gpu_compiler_options" not in text, page
+  assert "On a GPU" in text and GPU_RUN in text, page
+  # The run the pages link to is where the link says.
+  assert (
+    "## 0.6 on one H200 (2026-11-28)"
+    in (ROOT / "docs/benchmarks.md").read_text()
+  )

@@ -1887,4 +1887,20 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(f"{PRIVACY_TESTS}::test_eight_devices_draw_once_per_window",),
   ),
+  Mutant(
+    name="private_clipped_after_the_devices_sum",
+    guarantee="privacy: each example clipped to C, on every placement",
+    defect="inside a shard_map that tracks variance, autodiff sums the"
+    " devices' gradients before each example is clipped",
+    edits=(
+      Edit(
+        PRIVATE_CLIPPING,
+        "    if varying:\n",
+        "    if False:\n",
+      ),
+    ),
+    tests=(
+      f"{PRIVACY_TESTS}::test_inside_a_checked_shard_map_each_device_clips_its_own_examples",
+    ),
+  ),
 )

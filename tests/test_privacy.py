@@ -446,3 +446,33 @@ def test_adaptive_k_and_weights_are_refused():
   params = init_params()
   with pytest.raises(TypeError, match="takes no weight"):
     tx.update(params, tx.init(params), params, weight=2)
+
+
+@pytest.mark.devices(8)
+def test_inside_a_checked_shard_map_each_device_clips_its_own_examples():
+  """Autodiff must not sum the devices' gradients before they are clipped."""
+  grad_sum = privacy.clipped_grad_sum(example_loss, CLIP)
+  batch = logical_batches(1, 8)[0]
+  expected = [grad_sum(init_params(), batch[i : i + 1])[1] for i in range(8)]
+
+  def local(params, rows):
+    return jax.tree.map(lambda leaf: leaf[None], grad_sum(params, rows)[1])
+
+  per_device = jax.jit(
+    jax.shard_map(
+      local, mesh=data_mesh(), in_specs=(P(), P("data")), out_specs=P("data")
+    )
+  )(init_params(), batch)
+  stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *expected)
+  assert_close(per_device, stacked)
+
+  tx = private_tx(1, axis_name="data")
+  checked = jax.shard_map(
+    micro_step(tx, None),
+    mesh=data_mesh(),
+    in_specs=(P(), P(), P("data"), P("data")),
+    out_specs=(P(), P()),
+  )
+  params = init_params()
+  with pytest.raises(ValueError, match="check_vma=False"):
+    checked(params, tx.init(params), batch, np.ones(8, np.float32))

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ga_optax._src.placements import axes as axes_lib
+
 
 def clipped_grad_sum(
   loss_fn: Callable[[optax.Params, Any], jax.Array], l2_clip_norm: float
@@ -33,6 +35,11 @@ def clipped_grad_sum(
     loss_fn: ``loss_fn(params, example) -> scalar``, the loss of one
       example (its leaves without the batch axis).
     l2_clip_norm: C > 0.
+
+  Inside a ``jax.shard_map``, each device clips its own examples and
+  returns their sum: a per-device partial sum, which
+  :func:`ga_optax.privacy.accumulate` (``axis_name=``, in a ``shard_map``
+  with ``check_vma=False``) reduces once per window.
 
   Returns:
     ``f(params, batch, mask=None)``: the masked mean of the examples' losses
@@ -96,6 +103,15 @@ def clipped_grad_sum(
         f"mask must have shape ({size},), one value per example, got"
         f" {weights.shape}."
       )
+    # Inside a shard_map that tracks variance, autodiff would sum the
+    # gradient of a parameter that does not vary over the devices' axes
+    # across the devices, and each example would be clipped as that sum.
+    # As varying, each device clips its own examples and keeps their sum.
+    varying = set().union(
+      *(axes_lib.varying_axes(leaf) for leaf in jax.tree.leaves(batch))
+    )
+    if varying:
+      params = axes_lib.cast_to_varying(params, tuple(sorted(varying)))
     losses, contributions = jax.vmap(clipped, in_axes=(None, 0, 0))(
       params, batch, weights
     )

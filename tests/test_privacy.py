@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 from scipy import stats
 
@@ -175,12 +175,7 @@ def test_eight_devices_draw_once_per_window(k):
   """Each device sums its examples; the noise is the one-device run's."""
   windows, logical = 2, 16
   batches = logical_batches(windows, logical)
-  one_device_tx = private_tx(1, normalize_by=logical)
-  one_step = jax.jit(micro_step(one_device_tx, True))
-  expected = init_params()
-  state = one_device_tx.init(expected)
-  for batch in batches:
-    expected, state = one_step(expected, state, batch, np.ones(logical))
+  expected = one_device_run(batches)
 
   tx = private_tx(k, normalize_by=logical, axis_name="data")
   step = jax.jit(
@@ -203,6 +198,67 @@ def test_eight_devices_draw_once_per_window(k):
       params, state = step(params, state, micro, np.ones(8 * rows, np.float32))
   assert int(privacy.windows_closed(state)) == windows
   assert_close(params, expected)
+
+
+def one_device_run(batches):
+  """The one-device run of ``batches``, one window each, every example real."""
+  logical = batches.shape[1]
+  tx = private_tx(1, normalize_by=logical)
+  step = jax.jit(micro_step(tx, True))
+  params = init_params()
+  state = tx.init(params)
+  for batch in batches:
+    params, state = step(params, state, batch, np.ones(logical, np.float32))
+  return params
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("sharded_state", [False, True])
+def test_unreduced_windows_draw_once_per_window(sharded_state):
+  """Under a plain jit: per-device clipped sums, unreduced, reduced once.
+
+  With ``inner_state_axes`` (ZeRO-1) the noise is drawn on the state's
+  slices: the same draw as unsharded.
+  """
+  windows, logical, k = 2, 16, 2
+  batches = logical_batches(windows, logical)
+  extra = {"inner_state_axes": "data"} if sharded_state else {}
+  tx = private_tx(k, normalize_by=logical, unreduced_axes="data", **extra)
+  grad_sum = privacy.clipped_grad_sum(example_loss, CLIP)
+
+  def own_sum(params, rows, mask):
+    return jax.tree.map(
+      lambda leaf: leaf[None], grad_sum(params, rows, mask)[1]
+    )
+
+  def step(params, state, rows, mask):
+    stacked = jax.shard_map(
+      own_sum, in_specs=(P(), P("data"), P("data")), out_specs=P("data")
+    )(params, rows, mask)
+    unreduced = jax.tree.map(
+      lambda leaf: jnp.einsum(
+        "d...->...", leaf, out_sharding=P(unreduced={"data"})
+      ),
+      stacked,
+    )
+    updates, state = tx.update(unreduced, state, params)
+    return optax.apply_updates(params, updates), state
+
+  mesh = jax.make_mesh(
+    (8,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:8]
+  )
+  with jax.set_mesh(mesh):
+    step = jax.jit(step)
+    params = init_params()
+    state = tx.init(params)
+    mask = jax.device_put(np.ones(logical // k, np.float32), P("data"))
+    for batch in batches:
+      for rows in np.split(batch, k):
+        rows = jax.device_put(rows, P("data"))
+        params, state = step(params, state, rows, mask)
+    assert int(privacy.windows_closed(state)) == windows
+    params = jax.device_get(params)
+  assert_close(params, one_device_run(batches))
 
 
 NOISE_DIM = 64

@@ -8,7 +8,7 @@ plans, partial sums to save); :mod:`ga_optax.testing` holds the equivalence
 and compiled-program checks.
 """
 
-from ga_optax import batch_size, mixed_precision, planning
+from ga_optax import batch_size, mixed_precision, planning, privacy
 from ga_optax._src import deprecation
 from ga_optax._src.algebra.noise_scale import (
   NoiseScale,
@@ -59,6 +59,7 @@ __all__ = [
   "noise_scale",
   "num_skipped",
   "planning",
+  "privacy",
   "smooth_noise_scale",
   "unreduced_value_and_grad",
 ]

@@ -76,6 +76,10 @@ LOCAL = "ga_optax/_src/placements/local.py"
 RESIDENCY = "ga_optax/_src/placements/residency.py"
 BATCH_LAYOUT = "ga_optax/_src/scan/batch_layout.py"
 PARTS = "ga_optax/_src/algebra/parts.py"
+PRIVATE_NOISE = "ga_optax/_src/privacy/noise.py"
+PRIVATE_WINDOW = "ga_optax/_src/privacy/window.py"
+PRIVATE_CLIPPING = "ga_optax/_src/privacy/clipping.py"
+PRIVACY_TESTS = "tests/test_privacy.py"
 
 MUTANTS: tuple[Mutant, ...] = (
   # Equivalence with the large batch.
@@ -1805,6 +1809,147 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_validation.py::test_a_misspelt_call_keyword_is_refused_not_dropped",
+    ),
+  ),
+  Mutant(
+    name="private_noise_per_micro_step",
+    guarantee="privacy: one draw per window, at its close",
+    defect="the noise is added to every micro-batch's clipped sum (sqrt(k)"
+    " times too much) instead of once to the window's",
+    edits=(
+      Edit(
+        PRIVATE_NOISE,
+        "  std = float(noise_multiplier) * float(l2_clip_norm)\n",
+        "  std = 0.0\n",
+      ),
+      Edit(
+        PRIVATE_WINDOW,
+        "    return window_tx.update(\n      clipped_sum,",
+        "    micro_key = jax.random.fold_in(\n"
+        "      jax.random.key(0), state.micro_step + 4096 * state.update_step\n"
+        "    )\n"
+        "    clipped_sum = jax.tree.map(\n"
+        "      lambda g: g + noise_multiplier * l2_clip_norm\n"
+        "      * jax.random.normal(micro_key, g.shape, g.dtype),\n"
+        "      clipped_sum,\n"
+        "    )\n"
+        "    return window_tx.update(\n      clipped_sum,",
+      ),
+    ),
+    tests=(
+      f"{PRIVACY_TESTS}::test_noise_std_is_sigma_c_over_normalize_by_whatever_k",
+      f"{PRIVACY_TESTS}::test_the_micro_step_program_draws_no_random_number",
+    ),
+  ),
+  Mutant(
+    name="private_division_by_the_realised_count",
+    guarantee="privacy: the sum divided by the public normalize_by only",
+    defect="each micro-batch's clipped sum is divided by its count of real"
+    " examples (the data's batch size, as optax's DP aggregate does)",
+    edits=(
+      Edit(
+        PRIVATE_CLIPPING,
+        "      lambda summed, param: jnp.sum(summed, axis=0).astype(\n",
+        "      lambda summed, param: (\n"
+        "        jnp.sum(summed, axis=0) / jnp.maximum(jnp.sum(weights), 1.0)\n"
+        "      ).astype(\n",
+      ),
+    ),
+    tests=(PRIVACY_TESTS,),
+  ),
+  Mutant(
+    name="private_window_mean_of_micro_batches",
+    guarantee="privacy: the sum divided by the public normalize_by only",
+    defect="the private window averages its micro-batches"
+    " (reduction='mean'), dividing by a count the draw decides",
+    edits=(
+      Edit(PRIVATE_WINDOW, '    reduction="sum",\n', '    reduction="mean",\n'),
+    ),
+    tests=(
+      f"{PRIVACY_TESTS}::test_partition_invariance_with_noise",
+      f"{PRIVACY_TESTS}::test_without_noise_the_window_is_the_clipped_mean_of_its_batch",
+    ),
+  ),
+  Mutant(
+    name="private_budget_counted_in_micro_steps",
+    guarantee="privacy: the budget counted in windows",
+    defect="the count handed to the accountant is the micro-steps of the"
+    " windows closed (updates times k), not the windows",
+    edits=(
+      Edit(
+        PRIVATE_NOISE,
+        "  return jnp.asarray(found.windows_closed)\n",
+        "  from ga_optax._src.window.state import find_state\n\n"
+        "  window = find_state(state)\n"
+        "  return jnp.asarray(window.update_step * window.every_k)\n",
+      ),
+    ),
+    tests=(
+      f"{PRIVACY_TESTS}::test_windows_closed_counts_windows_not_micro_steps",
+    ),
+  ),
+  Mutant(
+    name="private_float16_norm",
+    guarantee="privacy: each example clipped to C (its norm in float32)",
+    defect="the per-example norm is computed in the params' dtype: float16"
+    " overflows to inf and the gradient is dropped, not clipped",
+    edits=(
+      Edit(
+        PRIVATE_CLIPPING,
+        "      jnp.sum(jnp.square(leaf.astype(jnp.float32)))\n",
+        "      jnp.sum(jnp.square(leaf)).astype(jnp.float32)\n",
+      ),
+    ),
+    tests=(f"{PRIVACY_TESTS}::test_float16_params_clip_by_a_float32_norm",),
+  ),
+  Mutant(
+    name="private_key_not_folded_by_the_window_count",
+    guarantee="privacy: independent noise in every window",
+    defect="every window draws from the same key: the same noise each time",
+    edits=(Edit(PRIVATE_NOISE, "      state.windows_closed,\n", "      0,\n"),),
+    tests=(
+      f"{PRIVACY_TESTS}::test_consecutive_windows_draw_uncorrelated_noise",
+    ),
+  ),
+  Mutant(
+    name="private_noise_per_device",
+    guarantee="privacy: on several devices, one draw per window",
+    defect="each device draws its own noise, from the key folded with its"
+    " index",
+    edits=(
+      Edit(
+        PRIVATE_WINDOW,
+        "    return window_tx.update(\n      clipped_sum,",
+        "    if axis_name is not None:\n"
+        "      inner = state.inner_state\n"
+        "      device_key = jax.random.fold_in(\n"
+        "        jax.random.wrap_key_data(inner.key_data),\n"
+        "        jax.lax.axis_index(axis_name),\n"
+        "      )\n"
+        "      state = state._replace(\n"
+        "        inner_state=inner._replace(\n"
+        "          key_data=jax.random.key_data(device_key)\n"
+        "        )\n"
+        "      )\n"
+        "    return window_tx.update(\n      clipped_sum,",
+      ),
+    ),
+    tests=(f"{PRIVACY_TESTS}::test_eight_devices_draw_once_per_window",),
+  ),
+  Mutant(
+    name="private_clipped_after_the_devices_sum",
+    guarantee="privacy: each example clipped to C, on every placement",
+    defect="inside a shard_map that tracks variance, autodiff sums the"
+    " devices' gradients before each example is clipped",
+    edits=(
+      Edit(
+        PRIVATE_CLIPPING,
+        "    if varying:\n",
+        "    if False:\n",
+      ),
+    ),
+    tests=(
+      f"{PRIVACY_TESTS}::test_inside_a_checked_shard_map_each_device_clips_its_own_examples",
     ),
   ),
 )

@@ -775,6 +775,8 @@ TRAINING_LOOP_PAGES = [
   "docs/how-to/nonfinite.md",
   "docs/how-to/fused.md",
   "docs/how-to/host-memory.md",
+  "docs/how-to/elastic.md",
+  "docs/how-to/sharded-optimizer-state.md",
 ]
 GPU_RUN = "benchmarks.md#06-on-one-h200-2026-11-28"
 

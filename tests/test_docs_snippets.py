@@ -770,6 +770,7 @@ TRAINING_LOOP_PAGES = [
   "docs/how-to/equinox.md",
   "docs/how-to/optax-chain.md",
   "docs/how-to/host-schedule.md",
+  "docs/how-to/batch-size.md",
   "docs/how-to/flush.md",
   "docs/how-to/schedules.md",
   "docs/how-to/nonfinite.md",

@@ -770,6 +770,14 @@ TRAINING_LOOP_PAGES = [
   "docs/how-to/equinox.md",
   "docs/how-to/optax-chain.md",
   "docs/how-to/host-schedule.md",
+  "docs/how-to/batch-size.md",
+  "docs/how-to/flush.md",
+  "docs/how-to/schedules.md",
+  "docs/how-to/nonfinite.md",
+  "docs/how-to/fused.md",
+  "docs/how-to/host-memory.md",
+  "docs/how-to/elastic.md",
+  "docs/how-to/sharded-optimizer-state.md",
 ]
 GPU_RUN = "benchmarks.md#06-on-one-h200-2026-11-28"
 

@@ -55,7 +55,61 @@ if jax.default_backend() != "cpu" and not os.environ.get(
   jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# The suite's tiers, by test file: each test belongs to one, and
+# ``python -m pytest -m TIER`` runs it alone (CONTRIBUTING.md, "Run the
+# tests"). A file not listed is in the conformance tier.
+TIERS = {
+  "compiled": (
+    # What the real compilers build for compile-only H100s and TPUs, and
+    # the audits that read it.
+    "test_compiled_window.py",
+    "test_gpu_options.py",
+    "test_gpu_program.py",
+    "test_gpu_report.py",
+    "test_hlo.py",
+    "test_host_waits.py",
+    "test_tpu_program.py",
+    "test_window_sizes.py",
+  ),
+  "docs": (
+    # The pages, the README and the examples, run as a reader runs them.
+    "test_batch_size_loop_example.py",
+    "test_bf16_recipe_example.py",
+    "test_docs_snippets.py",
+    "test_elastic_example.py",
+    "test_examples.py",
+    "test_readme.py",
+  ),
+}
+
+
+def tier(path) -> str:
+  """The tier of a test file: compiled, docs, or conformance."""
+  for name, files in TIERS.items():
+    if path.name in files:
+      return name
+  return "conformance"
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    item.add_marker(getattr(pytest.mark, tier(item.path)))
+
+
 def pytest_configure(config):
+  config.addinivalue_line(
+    "markers",
+    "conformance: the library's claims against independent references,"
+    " over the strategy list (every test file not in another tier)",
+  )
+  config.addinivalue_line(
+    "markers",
+    "compiled: the programs the real XLA:GPU and TPU compilers build for"
+    " compile-only devices, and the audits that read them",
+  )
+  config.addinivalue_line(
+    "markers", "docs: the docs pages, the README and the examples, executed"
+  )
   config.addinivalue_line(
     "markers",
     "devices(n): the test needs n devices of JAX's default backend; with"

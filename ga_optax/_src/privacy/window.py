@@ -147,8 +147,15 @@ def accumulate(
     close,
     every_k,
     EmitUpdates(),
+    # The sum of the window's clipped sums: the division is the public
+    # normalize_by's, in the private close.
     reduction="sum",
     accumulator_dtype=accumulator_dtype,
+    # A data-dependent skip, a noise scale or a k that follows the window
+    # would each release a statistic of private data.
+    skip_nonfinite=False,
+    noise_scale_decay=None,
+    lr_scaling=None,
     axis_name=axis_name,
     unreduced_axes=unreduced_axes,
     accumulator_memory_kind=accumulator_memory_kind,

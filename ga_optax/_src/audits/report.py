@@ -25,9 +25,9 @@ from typing import Any
 
 import jax
 
-from ga_optax._src.audits import compiled_paths, gpu_compile, tpu_compile
-from ga_optax._src.audits.host_waits import HostWaits, host_waits
+from ga_optax._src.audits import compiled_paths, tpu_compile
 from ga_optax._src.audits.hlo import HloModule
+from ga_optax._src.audits.host_waits import HostWaits, host_waits
 
 # Each named target: the compiler, and the devices it compiles for.
 TARGETS: dict[str, tuple[str, int]] = {

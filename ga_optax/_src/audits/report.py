@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 
 from ga_optax._src.audits import compiled_paths, tpu_compile
 from ga_optax._src.audits.hlo import HloModule
@@ -264,9 +265,7 @@ def _audit_program(
       step, *args, num_devices=num_devices, donate_argnums=donate_argnums
     )
   else:
-    program = (
-      jax.jit(step, donate_argnums=donate_argnums).lower(*args).compile()
-    )
+    program = _compile_here(step, args, donate_argnums)
   module = compiled_paths.as_module(program)
   sides = compiled_paths.window_sides(module)
   window_branches = sum(sides.values())
@@ -316,6 +315,28 @@ def _audit_program(
     paths=tuple(paths),
     peak_memory=_peak_memory(memory),
   )
+
+
+def _compile_here(
+  step: Callable[..., Any],
+  args: tuple[Any, ...],
+  donate_argnums: int | Sequence[int],
+) -> Any:
+  """Compiles for this machine's CPU, under the mesh ``args`` are placed on.
+
+  The mesh is set around the compilation, as on the compile-only targets,
+  so that a step typed for Explicit axes compiles as it would run.
+  """
+  jitted = jax.jit(step, donate_argnums=donate_argnums)
+  meshes = {
+    leaf.sharding.mesh
+    for leaf in jax.tree.leaves(args)
+    if isinstance(getattr(leaf, "sharding", None), NamedSharding)
+  }
+  if len(meshes) != 1:
+    return jitted.lower(*args).compile()
+  with jax.set_mesh(meshes.pop()):
+    return jitted.lower(*args).compile()
 
 
 def _waits_on(waits: HostWaits | None, path: str) -> int | None:

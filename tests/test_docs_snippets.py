@@ -64,7 +64,7 @@ EIGHT_DEVICE_PAGES = {"docs/how-to/testing.md"}
 
 # Pages whose blocks compile with XLA:GPU (audits.compile_for_gpu):
 # they need JAX's CUDA plugin, which CI installs; elsewhere they are skipped.
-GPU_COMPILER_PAGES = {"docs/compiled-window.md"}
+GPU_COMPILER_PAGES = {"docs/compiled-window.md", "docs/how-to/gpu.md"}
 
 # Pages whose blocks compile for a TPU (audits.compile_for_tpu):
 # they need libtpu, which CI installs; elsewhere they are skipped.

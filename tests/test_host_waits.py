@@ -14,7 +14,6 @@ XLA, which it must repeat.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import tempfile
@@ -24,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-import test_docs_snippets as docs_snippets
 from gpu_compiler import compiled_for_gpu, host_waits_on_gpu
 
 import ga_optax
@@ -366,30 +364,4 @@ def test_the_recipe_repeats_the_defaults_of_the_installed_xla():
     assert defaults <= kinds, defaults - kinds
     assert kinds - defaults == (
       {"WHILE", "COLLECTIVES"} if collectives else {"WHILE"}
-    )
-
-
-def test_the_flax_nnx_audit_of_the_gpu_page_prints_what_it_says():
-  """The page's NNX block, which the docs test leaves out (it needs the
-  plugin), run here with its printed claims checked."""
-  page = ROOT / "docs" / "how-to" / "gpu.md"
-  text = page.read_text()
-  section = text[text.index("### A Flax NNX step") :]
-  code = section.split("```python\n", 1)[1].split("```", 1)[0]
-  pytest.importorskip("flax")
-  recorder = docs_snippets.PrintRecorder(str(page))
-  namespace = {"__name__": "__main__", "print": recorder}
-  try:
-    exec(compile(code, str(page), "exec"), namespace)
-  except audits.GpuCompilerUnavailable as error:
-    if os.environ.get("CI"):
-      raise
-    pytest.skip(str(error))
-  claims = docs_snippets.claims_in(code)
-  assert len(claims) == 2
-  for claim in claims:
-    printed = recorder.outputs.get(claim.line, [])
-    assert docs_snippets.check_claim(claim.comment, printed) is None, (
-      claim,
-      printed,
     )

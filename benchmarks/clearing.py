@@ -27,9 +27,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ga_optax._src import audits
-from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
-
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 # Both compilers run on a machine without a TPU or a GPU.
@@ -42,7 +39,8 @@ import optax  # noqa: E402
 
 import ga_optax  # noqa: E402
 from benchmarks.tpu_memory import mlp, train_step  # noqa: E402
-from ga_optax._src import scopes  # noqa: E402
+from ga_optax._src import audits, scopes  # noqa: E402
+from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options  # noqa: E402
 from ga_optax._src.window import run_once  # noqa: E402
 
 MIB = 2**20

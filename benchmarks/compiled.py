@@ -34,8 +34,6 @@ import pathlib
 import sys
 from typing import Any
 
-from ga_optax._src import audits
-
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 # The CUDA plugin does not start on a machine without a GPU; the compiler
@@ -56,6 +54,7 @@ from benchmarks.compiled_steps import (  # noqa: E402
   windows,
   windows_table,
 )
+from ga_optax._src import audits  # noqa: E402
 
 
 def measure(workload: workloads_lib.Workload) -> dict[str, Any]:

@@ -27,8 +27,6 @@ import pathlib
 import sys
 from typing import Any
 
-from ga_optax._src import audits
-
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 # libtpu compiles on a machine without a TPU; JAX must not look for one.
@@ -40,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import ga_optax  # noqa: E402
+from ga_optax._src import audits  # noqa: E402
 
 GIB = 2**30
 # Each generation's high-bandwidth memory per chip, as published; the

@@ -200,8 +200,8 @@ def audit(
     ...   return optax.apply_updates(params, updates), state
     >>> report = audit(step, params, tx.init(params), params, target="cpu",
     ...     donate_argnums=(0, 1))
-    >>> [path.path for path in report.paths]
-    ['micro_step', 'closing']
+    >>> report.schedule, tuple(path.path for path in report.paths)
+    ('device', ('micro_step', 'closing'))
     >>> micro, closing = report.paths
     >>> micro.bytes_moved < closing.bytes_moved  # Adam runs only when closing
     True

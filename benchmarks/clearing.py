@@ -39,8 +39,8 @@ import optax  # noqa: E402
 
 import ga_optax  # noqa: E402
 from benchmarks.tpu_memory import mlp, train_step  # noqa: E402
-from ga_optax import testing  # noqa: E402
-from ga_optax._src import scopes  # noqa: E402
+from ga_optax._src import audits, scopes  # noqa: E402
+from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options  # noqa: E402
 from ga_optax._src.window import run_once  # noqa: E402
 
 MIB = 2**20
@@ -133,10 +133,10 @@ def on_a_tpu(width: int, depth: int, micro_batch: int, k: int) -> dict:
   param_bytes = depth * width * width * 4
   figures = {}
   for name, (step, state) in steps(loss_fn, params, k).items():
-    program = testing.compile_for_tpu(
+    program = audits.compile_for_tpu(
       step, params, state, batch, donate_argnums=(0, 1)
     )
-    audit = testing.path_audit(program, "micro_step", require_window=False)
+    audit = audits.path_audit(program, "micro_step", require_window=False)
     figures[name] = {
       "peak_x_params": program.memory_analysis().peak_memory_in_bytes
       / param_bytes,
@@ -154,14 +154,14 @@ def on_an_h100(width: int, depth: int, micro_batch: int, k: int) -> dict:
   with warnings.catch_warnings():
     # Its warning is about running a program, and this one is only compiled.
     warnings.simplefilter("ignore", RuntimeWarning)
-    options = ga_optax.gpu_compiler_options()
+    options = gpu_compiler_options()
 
   def floor(params, accumulator, batch):
     grads = jax.grad(loss_fn)(params, batch)
     return params, jax.tree.map(jnp.add, accumulator, grads)
 
   def moved(step: Any, state: Any) -> int:
-    program = testing.compile_for_gpu(
+    program = audits.compile_for_gpu(
       step,
       params,
       state,
@@ -169,7 +169,7 @@ def on_an_h100(width: int, depth: int, micro_batch: int, k: int) -> dict:
       donate_argnums=(0, 1),
       compiler_options=options,
     )
-    audit = testing.path_audit(program, "micro_step", require_window=False)
+    audit = audits.path_audit(program, "micro_step", require_window=False)
     return audit.bytes_moved
 
   floor_bytes = moved(floor, params)

@@ -1,9 +1,9 @@
 """What XLA:GPU compiles a window into: bytes moved and copies, per path.
 
 Compiles each contender's step for compile-only H100s with the real XLA:GPU
-compiler (``ga_optax.testing.compile_for_gpu``: no GPU needed, JAX's CUDA
+compiler (``audits.compile_for_gpu``: no GPU needed, JAX's CUDA
 plugin is), params and state donated, under XLA's default flags, and reads
-each path of the compiled program with ``ga_optax.testing.path_audit``:
+each path of the compiled program with ``audits.path_audit``:
 the bytes it moves (every executed instruction reads its operands and writes
 its result once), the copies it makes, and the temporaries of
 ``memory_analysis()``. These are compiler figures, deterministic for a
@@ -18,7 +18,7 @@ Usage::
 Beside ga_optax's steps it compiles the floor (a gradient added into a
 donated accumulator) and the host-scheduled window's programs
 (``benchmarks/host_scheduled.py``), which have no control flow. Prints a
-table of paths (with the host waits of each, ``ga_optax.testing.host_waits``,
+table of paths (with the host waits of each, ``audits.host_waits``,
 under XLA's default options), one of the targets' ratios and one of whole
 windows (bytes per micro-step, closing step and window of k calls, beside
 the floor, plain Adam and ``optax.MultiSteps``), and writes JSON.
@@ -54,7 +54,7 @@ from benchmarks.compiled_steps import (  # noqa: E402
   windows,
   windows_table,
 )
-from ga_optax import testing  # noqa: E402
+from ga_optax._src import audits  # noqa: E402
 
 
 def measure(workload: workloads_lib.Workload) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def measure(workload: workloads_lib.Workload) -> dict[str, Any]:
   records = {}
   for name, (step, state, batch) in steps(workload).items():
     # host_waits compiles as compile_for_gpu does, and reads the thunks.
-    waits = testing.host_waits(
+    waits = audits.host_waits(
       step, workload.params, state, batch, donate_argnums=(0, 1)
     )
     records[name] = audit(waits.program)

@@ -5,7 +5,7 @@ batch)``, params and state donated: plain Adam, ``optax.MultiSteps``,
 ga_optax's windows, a hand-written ``lax.scan`` window, the floor (a
 gradient added into a donated accumulator) and the host-scheduled window's
 programs (``benchmarks/host_scheduled.py``). :func:`audit` reads a compiled
-program's paths with ``ga_optax.testing.path_audit``: the bytes each moves,
+program's paths with ``audits.path_audit``: the bytes each moves,
 its copies and the temporaries of ``memory_analysis()``. :func:`ratios`
 checks the bytes against :data:`TARGETS`, :func:`windows` sums them over a
 window of k calls, and :func:`tables` and :func:`windows_table` print both.
@@ -25,7 +25,7 @@ import optax
 import ga_optax
 from benchmarks import host_scheduled as host_scheduled_lib
 from benchmarks import workloads as workloads_lib
-from ga_optax import testing
+from ga_optax._src import audits
 
 MIB = 2**20
 # The least a micro-step can do, and the host-scheduled window's programs
@@ -264,11 +264,11 @@ def host_scheduled_steps(
   }
 
 
-def audit_path(program: Any, path: str) -> testing.PathAudit:
-  """``testing.path_audit`` of any step: a step without a ga_optax window
+def audit_path(program: Any, path: str) -> audits.PathAudit:
+  """``audits.path_audit`` of any step: a step without a ga_optax window
   (plain Adam, MultiSteps, the floor) is read whole, as every call runs it.
   """
-  return testing.path_audit(program, path, require_window=False)
+  return audits.path_audit(program, path, require_window=False)
 
 
 def audit(program: Any) -> dict[str, Any]:

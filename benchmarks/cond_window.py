@@ -32,7 +32,8 @@ import optax
 import ga_optax
 from benchmarks import compiled_steps
 from benchmarks import workloads as workloads_lib
-from ga_optax import testing
+from ga_optax._src import audits
+from ga_optax._src.recipes import gpu_recipe
 
 MIB = 2**20
 COND_WINDOW = "conditional window (one lax.cond)"
@@ -156,10 +157,10 @@ def _paths(program: Any) -> Record:
 def _h100(step: Callable[..., Any], args: tuple[Any, ...]) -> Record:
   """Compiled for a compile-only H100: paths, and host waits under XLA's
   defaults and under the GPU recipe, where this ga_optax counts them."""
-  host_waits = getattr(testing, "host_waits", None)
-  recipe = getattr(ga_optax, "gpu_compiler_options", None)
+  host_waits = getattr(audits, "host_waits", None)
+  recipe = gpu_recipe.gpu_compiler_options
   if host_waits is None:
-    program = testing.compile_for_gpu(step, *args, donate_argnums=(0, 1))
+    program = audits.compile_for_gpu(step, *args, donate_argnums=(0, 1))
     return {**_paths(program), "host_waits": "not in this ga_optax"}
   waits = host_waits(step, *args, donate_argnums=(0, 1))
   record = {**_paths(waits.program), "top_level_thunks": waits.top_level}
@@ -178,7 +179,7 @@ def _h100(step: Callable[..., Any], args: tuple[Any, ...]) -> Record:
 def _here(step: Callable[..., Any], args: tuple[Any, ...]) -> Record:
   """As the device at hand compiles it; on a GPU, with its host waits read
   off the thunk sequence XLA dumped for this very program."""
-  count = getattr(testing, "count_host_waits", None)
+  count = getattr(audits, "count_host_waits", None)
   if jax.default_backend() != "gpu" or count is None:
     program = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
     return _paths(program)
@@ -218,7 +219,7 @@ def figures(quick: bool) -> Record:
     args = (workload.params, state, workload.microbatches[0])
     try:
       h100 = _h100(step, args)
-    except testing.GpuCompilerUnavailable as error:
+    except audits.GpuCompilerUnavailable as error:
       h100 = {"unavailable": str(error)}
     rows.append({"window": name, "compiled for": "H100 (compile-only)", **h100})
     rows.append(

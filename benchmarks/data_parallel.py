@@ -62,7 +62,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 from ga_optax.testing import max_relative_difference
 
 Batch = dict[str, jax.Array]
@@ -268,12 +268,12 @@ class Audit(NamedTuple):
 def audit(hlo_text: str, calls: int, width: int, parameter_bytes: int) -> Audit:
   """Counts a loop body's all-reduces once per iteration, the closing
   branch's once per window, the others' once per call."""
-  module = testing.hlo.parse_hlo(hlo_text)
-  closing = testing.window_collectives(hlo_text).closing_branch
+  module = audits.parse_hlo(hlo_text)
+  closing = audits.window_collectives(hlo_text).closing_branch
   sizes: list[int] = []
 
   def visit(computation: str, times: int) -> None:
-    for collective in testing.hlo.collectives_in_hlo(module, [computation]):
+    for collective in audits.collectives_in_hlo(module, [computation]):
       if collective.opcode.startswith("all-reduce"):
         sizes.extend([collective.operand_bytes] * times)
     for instruction in module.computations.get(computation, ()):
@@ -299,7 +299,7 @@ def rows_per_device(hlo_text: str, width: int) -> int:
   kernel = f"[{width},{width}]"
   rows = [
     int(activation[activation.index("[") + 1 : activation.index(",")])
-    for shapes in testing.hlo.dot_shapes(hlo_text)
+    for shapes in audits.dot_shapes(hlo_text)
     if any(shape.endswith(kernel) for shape in shapes)
     for activation in shapes
     if not activation.endswith(kernel) and activation.count(",") == 1

@@ -40,6 +40,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ga_optax._src import audits
+
 # Runs as a script from any directory: the repository root holds the package
 # and the `benchmarks` helpers.
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -55,7 +57,6 @@ from benchmarks import environment as environment_lib  # noqa: E402
 from benchmarks import summation_orders as orders_lib  # noqa: E402
 from benchmarks import window_time as window_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
-from ga_optax import testing  # noqa: E402
 
 MIB = 2**20
 H100 = "XLA:GPU for a compile-only H100; nothing ran"
@@ -144,8 +145,8 @@ def environment_lines(record: Record) -> list[str]:
 
 def compile_for_h100(step: Callable[..., Any], *args: Any) -> Any:
   try:
-    return testing.compile_for_gpu(step, *args, donate_argnums=(0, 1))
-  except testing.GpuCompilerUnavailable as error:
+    return audits.compile_for_gpu(step, *args, donate_argnums=(0, 1))
+  except audits.GpuCompilerUnavailable as error:
     raise Skipped(str(error)) from error
 
 
@@ -163,7 +164,7 @@ def compiled_section(
   for name, (step, state, batch) in compiled_steps.steps(workload).items():
     program = compile_step(step, workload.params, state, batch)
     paths[name] = compiled_steps.audit(program)
-    paths[name]["window_sides"] = testing.window_sides(program)
+    paths[name]["window_sides"] = audits.window_sides(program)
   ratios = compiled_steps.ratios(paths)
   if h100:
     for row, theirs in zip(ratios, h100["ratios"], strict=True):

@@ -2,7 +2,7 @@
 
 Runs 12 donated calls of ``accumulate(adam, 4)`` on the 4 x 1024² MLP under
 XLA's default options and under command-buffer variants: the recipe
-(``ga_optax.gpu_compiler_options()``), the recipe without donation, XLA's
+(``gpu_compiler_options()``), the recipe without donation, XLA's
 default kinds plus ``WHILE`` alone, and plus ``CONDITIONAL`` alone. For each
 it prints the calls on which a window closed (``emitted``) and how far the
 params end from the defaults' run. On a CPU every variant is the defaults'
@@ -30,6 +30,7 @@ import optax
 
 import ga_optax
 from benchmarks import workloads as workloads_lib
+from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
 
 CALLS = 12
 XLA_DEFAULT_KINDS = (
@@ -41,7 +42,7 @@ def variants() -> dict[str, tuple[dict[str, str] | None, bool]]:
   """Name -> (compiler options, whether params and state are donated)."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)  # the recipe's warning
-    recipe = ga_optax.gpu_compiler_options()
+    recipe = gpu_compiler_options()
   return {
     "XLA's defaults": (None, True),
     "recipe": (recipe, True),

@@ -1,7 +1,7 @@
 """Peak memory on a TPU chip, and the micro-batch the planner finds for it.
 
 Compiles (never runs) one train step of a deep tanh MLP for a compile-only
-TPU chip (``ga_optax.testing.compile_for_tpu``: ``libtpu`` is needed, a TPU
+TPU chip (``audits.compile_for_tpu``: ``libtpu`` is needed, a TPU
 is not), params and state donated, and reads each program's peak memory
 (``memory_analysis().peak_memory_in_bytes``): plain Adam, ``optax.MultiSteps``
 ``ga_optax.accumulate``, the device deciding and the host (``closing=False``
@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import ga_optax  # noqa: E402
-from ga_optax import testing  # noqa: E402
+from ga_optax._src import audits  # noqa: E402
 
 GIB = 2**30
 # Each generation's high-bandwidth memory per chip, as published; the
@@ -109,7 +109,7 @@ def peaks(
   }
   figures = {}
   for name, (step, tx) in contenders.items():
-    program = testing.compile_for_tpu(
+    program = audits.compile_for_tpu(
       step,
       params,
       jax.eval_shape(tx.init, params),
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
 
   budget = int(HBM_BYTES[args.target] * args.memory_fraction)
-  (chip,) = testing.tpu_devices(target=args.target)
+  (chip,) = audits.tpu_devices(target=args.target)
   plan = ga_optax.planning.plan_microbatch(
     loss_fn,
     params,

@@ -14,7 +14,7 @@ steps), ``optax.MultiSteps``, ``accumulate`` and ``accumulate_and_apply``,
 each of the last two also in the CPU's form (``GA_OPTAX_WINDOW_FORM`` set
 to ``conditional`` while tracing, so a GPU runs that form). Beside
 each time: the bytes moved and copied on the micro-step path of the compiled
-program (``ga_optax.testing.path_audit``). Times are medians of rounds.
+program (``audits.path_audit``). Times are medians of rounds.
 
 Usage::
 

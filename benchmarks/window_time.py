@@ -4,7 +4,7 @@ On the device at hand, for MLPs of 0.13M, 4.2M, 16.8M and 134M parameters
 (micro-batch 8, Adam, k = 4) and the reference Transformer, this times the
 windows of ``contenders.window_contenders``: plain Adam (k steps),
 ``optax.MultiSteps``, ``accumulate`` and ``accumulate_and_apply`` in their
-default form and under ``ga_optax.gpu_compiler_options()`` (the GPU recipe,
+default form and under ``gpu_compiler_options()`` (the GPU recipe,
 where this ga_optax has it), both on the host's schedule (``closing=``),
 the same work written by hand (``benchmarks/host_scheduled.py``) and the
 one-``lax.cond`` window

@@ -15,7 +15,7 @@ sharded ``P("data")``, replicated params, gradients from
 Optimizer-state bytes per device come from the arrays (the shard one device
 holds) and from the compiler (``compiled.memory_analysis()`` of the program
 that makes the state, and of the train step); collectives from the compiled
-step's HLO (``ga_optax.testing.window_collectives``); window times are
+step's HLO (``audits.window_collectives``); window times are
 medians over windows of k jitted, donated calls (each call waited for, so
 that the micro-steps and the closing call are timed apart), the two variants
 taking turns window by window. Prints a Markdown table and writes JSON::
@@ -53,7 +53,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax.testing import max_relative_difference, window_collectives
+from ga_optax._src.audits import window_collectives
+from ga_optax.testing import max_relative_difference
 
 OUTPUTS = 10
 

@@ -61,7 +61,7 @@ from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import ga_optax
-from ga_optax.testing import max_relative_difference, window_collectives
+from ga_optax.testing import audit, max_relative_difference
 
 # Under the directory the script is run from, never inside the source tree.
 DEFAULT_OUTPUT_DIR = Path("ga_optax_output", "data_parallel")
@@ -282,16 +282,24 @@ class WindowAllReduces(NamedTuple):
 
 
 def all_reduces_per_window(
-  compiled: Any, calls: int, gradient_bytes: int
+  run: Run, args: tuple[Any, ...], gradient_bytes: int
 ) -> WindowAllReduces:
-  found = window_collectives(compiled.as_text())
-  per_call = [c for c in found.every_micro_step if "all-reduce" in c.opcode]
-  closing = [c for c in found.window_closing if "all-reduce" in c.opcode]
-  window = per_call * calls + closing
+  report = audit(run.step, *args, target="cpu", donate_argnums=(0, 1))
+  by_path = {
+    path.path: [c for c in path.collectives if "all-reduce" in c[0]]
+    for path in report.paths
+  }
+  # A window is k - 1 calls that keep it open and one that closes it; a
+  # step without a window runs its one path on every call.
+  if "closing" in by_path:
+    window = by_path["micro_step"] * (run.calls_per_window - 1)
+    window += by_path["closing"]
+  else:
+    window = by_path["every_call"] * run.calls_per_window
   return WindowAllReduces(
     len(window),
-    sum(c.operand_bytes >= gradient_bytes for c in window),
-    sum(c.operand_bytes for c in window),
+    sum(size >= gradient_bytes for _, size in window),
+    sum(size for _, size in window),
   )
 
 
@@ -311,7 +319,7 @@ def train(
   ).compile()
   gradient_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
   all_reduces = all_reduces_per_window(
-    compiled, run.calls_per_window, gradient_bytes
+    run, (params, state, sharded(data, micro_batches[0])), gradient_bytes
   )
   losses = []
   began = time.perf_counter()

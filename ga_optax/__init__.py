@@ -5,7 +5,7 @@ what some need: :mod:`ga_optax.batch_size` (choosing k from the measured
 noise scale), :mod:`ga_optax.mixed_precision` (a dynamic loss scale for
 float16) and :mod:`ga_optax.planning` (the micro-batch that fits, elastic
 plans, partial sums to save); :mod:`ga_optax.testing` holds the equivalence
-and compiled-program checks.
+checks and the audit of a compiled step.
 """
 
 from ga_optax import batch_size, mixed_precision, planning, privacy
@@ -18,7 +18,6 @@ from ga_optax._src.algebra.noise_scale import (
 )
 from ga_optax._src.recipes.batchnorm import combine_batch_stats
 from ga_optax._src.recipes.flax_utils import apply_gradients
-from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
 from ga_optax._src.scan.microbatch import (
   microbatched_value_and_grad,
   unreduced_value_and_grad,
@@ -53,7 +52,6 @@ __all__ = [
   "combine_batch_stats",
   "current_k",
   "emitted",
-  "gpu_compiler_options",
   "microbatched_value_and_grad",
   "mixed_precision",
   "noise_scale",
@@ -64,6 +62,17 @@ __all__ = [
   "unreduced_value_and_grad",
 ]
 
-# The names of ga_optax.planning were top-level names up to 0.2.0: they are
-# still found here, with a warning.
-__getattr__ = deprecation.moved_names(__name__, planning)
+# The names of ga_optax.planning were top-level names up to 0.2.0, and
+# gpu_compiler_options() was a top-level recipe: the old spellings raise an
+# AttributeError naming what replaces them.
+__getattr__ = deprecation.removed_names(
+  __name__,
+  {
+    **{name: f"ga_optax.planning.{name}" for name in planning.__all__},
+    "gpu_compiler_options": (
+      "the host's schedule, update(..., closing=...) from the training"
+      " loop, which needs no compiler options (its captured loops closed"
+      " windows on the wrong calls on an H200; docs/how-to/gpu.md)"
+    ),
+  },
+)

@@ -1417,7 +1417,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_tpu_program.py::test_the_planner_compiles_for_a_tpu_chip",
     ),
   ),
-  # The HLO audits of ga_optax.testing.
+  # The HLO audits (ga_optax._src.audits), behind ga_optax.testing.audit.
   Mutant(
     name="async_collectives_unseen",
     guarantee="data parallel (the audits that prove it)",

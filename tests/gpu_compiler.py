@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from ga_optax import testing
+from ga_optax._src import audits
 
 Result = TypeVar("Result")
 
@@ -26,7 +26,7 @@ def or_skip(
   """``compile_(*args, **options)``; without XLA:GPU a skip (in CI, a failure)."""
   try:
     return compile_(*args, **options)
-  except testing.GpuCompilerUnavailable as error:
+  except audits.GpuCompilerUnavailable as error:
     if os.environ.get("CI"):
       raise
     pytest.skip(
@@ -38,12 +38,12 @@ def or_skip(
 def compiled_for_gpu(
   step: Callable[..., Any], *args: Any, **options: Any
 ) -> Any:
-  """``testing.compile_for_gpu(step, *args, **options)``, or a skip."""
-  return or_skip(testing.compile_for_gpu, step, *args, **options)
+  """``audits.compile_for_gpu(step, *args, **options)``, or a skip."""
+  return or_skip(audits.compile_for_gpu, step, *args, **options)
 
 
 def host_waits_on_gpu(
   step: Callable[..., Any], *args: Any, **options: Any
-) -> testing.HostWaits:
-  """``testing.host_waits(step, *args, **options)``, or a skip."""
-  return or_skip(testing.host_waits, step, *args, **options)
+) -> audits.HostWaits:
+  """``audits.host_waits(step, *args, **options)``, or a skip."""
+  return or_skip(audits.host_waits, step, *args, **options)

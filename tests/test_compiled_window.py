@@ -6,7 +6,7 @@ conditional). On the program this backend compiles: the sides are there,
 nothing of the closing side runs on a micro-step, and on 8 simulated devices a ZeRO-1
 micro-step exchanges scalars only (tests/test_gpu_program.py holds the same
 and more on the program XLA:GPU compiles for H100s). Then
-:func:`ga_optax.testing.path_audit` on hand-written HLO, where every figure
+:func:`audits.path_audit` on hand-written HLO, where every figure
 it reports is known, and what the loops mean for transformations of
 ``update``.
 """
@@ -22,7 +22,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 
 
 def loss_fn(params, batch):
@@ -73,13 +73,13 @@ def test_the_optimizer_runs_only_on_the_closing_side(make):
   # side holds the optimizer's step (where the window has weight); the
   # updates' buffer, the accumulator's, is zeroed once they are read, and
   # the params' owner empties a window closed without weight itself.
-  assert testing.window_sides(program) == (
+  assert audits.window_sides(program) == (
     {"keep_open": 0, "close_window": 2, "empty_window": 1}
     if fused
     else {"keep_open": 0, "close_window": 3, "empty_window": 0}
   )
-  micro_step = testing.path_audit(program, "micro_step")
-  closing = testing.path_audit(program, "closing")
+  micro_step = audits.path_audit(program, "micro_step")
+  closing = audits.path_audit(program, "closing")
   assert micro_step.misplaced_closing_work == []
   # Two more passes over the state (Adam's or Lion's moments) when closing.
   state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params_of()))
@@ -107,8 +107,8 @@ def test_a_zero1_micro_step_exchanges_scalars_only():
       {"x": jnp.ones((64, 64)), "y": jnp.zeros((64, 64))}, P("data")
     )
     program = jax.jit(step).lower(params, tx.init(params), batch).compile()
-  micro_step = testing.path_audit(program, "micro_step")
-  closing = testing.path_audit(program, "closing")
+  micro_step = audits.path_audit(program, "micro_step")
+  closing = audits.path_audit(program, "closing")
   assert all(c.operand_bytes <= 8 for c in micro_step.collectives), (
     micro_step.collectives
   )
@@ -205,16 +205,16 @@ TRUE_BRANCH = 2 * 256  # negate of 64 floats
 
 
 def test_the_micro_step_path_runs_the_open_side_and_the_false_branch():
-  audit = testing.path_audit(HLO, "micro_step")
+  audit = audits.path_audit(HLO, "micro_step")
   assert audit.bytes_moved == SCAN + HOISTED + INDEX + COPY + NOT + OPEN
-  assert audit.copies == [testing.Copy("main", "copied", 4096)]
+  assert audit.copies == [audits.Copy("main", "copied", 4096)]
   assert audit.collectives == []
   # The multiply came from the closing side and runs outside its loop.
   assert audit.misplaced_closing_work == ["hoisted"]
 
 
 def test_the_closing_path_runs_the_closing_side_and_the_true_branch():
-  audit = testing.path_audit(HLO, "closing")
+  audit = audits.path_audit(HLO, "closing")
   assert audit.bytes_moved == (
     SCAN + HOISTED + INDEX + COPY + NOT + CLOSE + TRUE_BRANCH
   )
@@ -225,14 +225,14 @@ def test_the_closing_path_runs_the_closing_side_and_the_true_branch():
 
 
 def test_window_sides_are_found_by_their_scopes():
-  assert testing.window_sides(HLO) == {
+  assert audits.window_sides(HLO) == {
     "keep_open": 1,
     "close_window": 1,
     "empty_window": 0,
   }
   # The window's sides are branches, not loops over micro-batches.
-  assert testing.loop_collectives(HLO) == []
-  found = testing.window_collectives(HLO)
+  assert audits.loop_collectives(HLO) == []
+  found = audits.window_collectives(HLO)
   assert found.closing_branch == "close_body"
   assert [c.name for c in found.window_closing] == ["reduced"]
   assert found.every_micro_step == []
@@ -240,16 +240,16 @@ def test_window_sides_are_found_by_their_scopes():
 
 def test_path_audit_refuses_what_it_cannot_read():
   with pytest.raises(ValueError, match="path must be one of"):
-    testing.path_audit(HLO, "window")
+    audits.path_audit(HLO, "window")
   with pytest.raises(TypeError, match="compiled program"):
-    testing.path_audit(jax.jit(jnp.sin).lower(1.0), "closing")
+    audits.path_audit(jax.jit(jnp.sin).lower(1.0), "closing")
 
 
 def test_compile_for_gpu_names_a_bad_argument():
   with pytest.raises(ValueError, match="num_devices"):
-    testing.compile_for_gpu(jnp.sin, 1.0, num_devices=0)
+    audits.compile_for_gpu(jnp.sin, 1.0, num_devices=0)
   with pytest.raises(ValueError, match="target"):
-    testing.compile_for_gpu(jnp.sin, 1.0, target="tpu-v5")
+    audits.compile_for_gpu(jnp.sin, 1.0, target="tpu-v5")
 
 
 # What the loops mean for transformations of update.

@@ -35,13 +35,15 @@ def test_data_parallel_how_to_runs(capsys):
     "True",  # microbatched embedding gradients == one device's
     "True",  # token-weighted accumulation == one device's SGD step
     "[8]",  # its bytes all-reduced on every call: loss and weight
-    "[2048]",  # its bytes all-reduced when the window closes
+    "[8,",  # and on the closing call, with the window's gradients
+    "2048]",
     "float32[16,32@model]{U:data}",  # on the ("data", "model") mesh
     "True",  # Auto axes == large batch
     "True",  # shard_map, in one step == large batch
     "1",  # shard_map, across steps: one window closed
     "True",  # shard_map, across steps == large batch
     "[8]",  # bytes all-reduced on every call
-    "[2436]",  # bytes all-reduced when the window closes
+    "[8,",  # and on the closing call, with the window's reduction
+    "2436]",
   ], output
   assert jax.sharding.get_abstract_mesh().empty

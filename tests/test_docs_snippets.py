@@ -62,11 +62,11 @@ NOT_RUN_PAGES = {
 # Pages whose blocks build a mesh of 8 devices.
 EIGHT_DEVICE_PAGES = {"docs/how-to/testing.md"}
 
-# Pages whose blocks compile with XLA:GPU (ga_optax.testing.compile_for_gpu):
+# Pages whose blocks compile with XLA:GPU (audits.compile_for_gpu):
 # they need JAX's CUDA plugin, which CI installs; elsewhere they are skipped.
-GPU_COMPILER_PAGES = {"docs/compiled-window.md"}
+GPU_COMPILER_PAGES = {"docs/compiled-window.md", "docs/how-to/gpu.md"}
 
-# Pages whose blocks compile for a TPU (ga_optax.testing.compile_for_tpu):
+# Pages whose blocks compile for a TPU (audits.compile_for_tpu):
 # they need libtpu, which CI installs; elsewhere they are skipped.
 TPU_COMPILER_PAGES = {"docs/how-to/tpu.md"}
 
@@ -442,14 +442,14 @@ def test_wrong_claims_name_real_lines():
 def test_page_runs(page, tmp_path, monkeypatch):
   assert blocks(page), f"{page}: every Python block is marked not run"
   if page in GPU_COMPILER_PAGES and not os.environ.get("CI"):
-    from ga_optax.testing import GpuCompilerUnavailable, gpu_devices
+    from ga_optax._src.audits import GpuCompilerUnavailable, gpu_devices
 
     try:
       gpu_devices()
     except GpuCompilerUnavailable as error:
       pytest.skip(f"{page} compiles with XLA:GPU: {error}")
   if page in TPU_COMPILER_PAGES and not os.environ.get("CI"):
-    from ga_optax.testing import TpuCompilerUnavailable, tpu_devices
+    from ga_optax._src.audits import TpuCompilerUnavailable, tpu_devices
 
     try:
       tpu_devices()

@@ -36,7 +36,7 @@ from flax.training import train_state
 from gpu_compiler import compiled_for_gpu
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 from ga_optax._src.algebra import fp8
 from ga_optax._src.window.state import find_state
 
@@ -798,7 +798,7 @@ def fp8_gemms(hlo_text: str) -> list[tuple[str, str]]:
   backend), or as a cuBLASLt custom-call (``__cublas$lt$matmul$f8``); the
   dtypes are those of the dot's (or custom-call's) operands.
   """
-  module = testing.hlo.parse_hlo(hlo_text)
+  module = audits.parse_hlo(hlo_text)
   gemm_callers = re.findall(
     r"fusion\([^\n]*calls=%?([\w.\-]+)[^\n]*__triton[\w]*gemm", hlo_text
   )

@@ -1,4 +1,4 @@
-"""The options of :func:`ga_optax.gpu_compiler_options`, read without a GPU.
+"""The options of :func:`gpu_compiler_options`, read without a GPU.
 
 What the recipe asks XLA:GPU for is a string, so its promises are checked
 here on any machine, without JAX's CUDA plugin: the window's loops and, by
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jaxlib
 import pytest
 
-import ga_optax
+from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
 
 OPTION = "xla_gpu_enable_command_buffer"
 WARNING = "gave wrong numbers"
@@ -21,7 +21,7 @@ WARNING = "gave wrong numbers"
 
 def command_buffer_kinds(**options) -> list[str]:
   with pytest.warns(RuntimeWarning, match=WARNING):
-    recipe = ga_optax.gpu_compiler_options(**options)
+    recipe = gpu_compiler_options(**options)
   assert list(recipe) == [OPTION]
   return recipe[OPTION].split(",")
 

@@ -1,15 +1,15 @@
 """The program XLA:GPU compiles for an H100 keeps the window's promises.
 
 Every step here is compiled by the real XLA:GPU compiler for compile-only
-H100 devices with a CUDA 13 driver (:func:`ga_optax.testing.host_waits`,
-which compiles as :func:`ga_optax.testing.compile_for_gpu` does and reads
+H100 devices with a CUDA 13 driver (:func:`audits.host_waits`,
+which compiles as :func:`audits.compile_for_gpu` does and reads
 the thunks XLA:GPU built), under the recipe
-:func:`ga_optax.gpu_compiler_options`, params and state donated as a
+:func:`gpu_compiler_options`, params and state donated as a
 training loop donates them; nothing runs. The recipe decides how the
 program is launched (which thunks a CUDA graph captures), not what it
 computes: under XLA's defaults the same instructions compile, which is
 checked on a step of each kind. On the compiled program
-(:func:`ga_optax.testing.path_audit`):
+(:func:`audits.path_audit`):
 
 * the gradient is added outside any branch, the closing side is there,
   and nothing compiled from it runs on a micro-step (the optimizer steps
@@ -57,9 +57,9 @@ from jax.sharding import PartitionSpec as P
 import ga_optax
 from benchmarks import compiled_steps
 from benchmarks import workloads as workloads_lib
-from ga_optax import testing
-from ga_optax._src import scopes
+from ga_optax._src import audits, scopes
 from ga_optax._src.audits import hlo
+from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
 
 MiB = 2**20
 # Params of 1 MiB and more: a copy of one would be seen.
@@ -70,9 +70,9 @@ SCALAR_BYTES = 64
 # How the tests compile: under the recipe, under XLA's defaults, and under
 # the recipe without collectives.
 OPTIONS = {
-  "recipe": ga_optax.gpu_compiler_options(),
+  "recipe": gpu_compiler_options(),
   "default": None,
-  "without_collectives": ga_optax.gpu_compiler_options(collectives=False),
+  "without_collectives": gpu_compiler_options(collectives=False),
 }
 
 
@@ -161,20 +161,20 @@ ONE_GPU = {
 }
 
 
-def assert_the_host_never_waits(waits: testing.HostWaits) -> None:
+def assert_the_host_never_waits(waits: audits.HostWaits) -> None:
   assert (waits.micro_step, waits.closing) == (0, 0), waits[:4]
   assert waits.on_host == (), waits.top_level
 
 
 def assert_the_window_keeps_its_promises(program: Any) -> None:
-  sides = testing.window_sides(program)
+  sides = audits.window_sides(program)
   # The gradient is added outside any branch; the window closes in one.
   assert sides["keep_open"] == 0, sides
   assert sides["close_window"] >= 1, sides
-  micro_step = testing.path_audit(program, "micro_step")
+  micro_step = audits.path_audit(program, "micro_step")
   assert micro_step.misplaced_closing_work == [], micro_step
   assert micro_step.copied_bytes(at_least=MiB) == 0, micro_step.copies
-  closing = testing.path_audit(program, "closing")
+  closing = audits.path_audit(program, "closing")
   # The closing side runs the optimizer: it moves more than a micro-step.
   assert closing.bytes_moved > micro_step.bytes_moved
 
@@ -306,8 +306,8 @@ SHARD_MAP_CASES = {
 def assert_one_reduction_when_closing(
   program: Any, state: ga_optax.AccumulateState, *, zero: bool
 ) -> None:
-  micro_step = testing.path_audit(program, "micro_step")
-  closing = testing.path_audit(program, "closing")
+  micro_step = audits.path_audit(program, "micro_step")
+  closing = audits.path_audit(program, "closing")
   exchanged = [
     c for c in micro_step.collectives if c.operand_bytes > SCALAR_BYTES
   ]
@@ -382,8 +382,8 @@ def test_eight_gpus_under_shard_map(case):
     return
   # Autodiff's own all-reduce of each gradient, on every micro-step, and
   # nothing more of that size from the window when it closes.
-  micro_step = testing.path_audit(program, "micro_step")
-  closing = testing.path_audit(program, "closing")
+  micro_step = audits.path_audit(program, "micro_step")
+  closing = audits.path_audit(program, "closing")
   summed = [c for c in micro_step.collectives if c.operand_bytes > SCALAR_BYTES]
   assert [c.opcode.removesuffix("-start") for c in summed] == ["all-reduce"]
   assert [c for c in closing.collectives if c not in summed] == [
@@ -414,10 +414,10 @@ def test_under_xla_defaults_the_host_drives_each_side(case):
   # The recipe changes how the program is launched, not what it computes:
   # the figures above, taken under the recipe, are also XLA's defaults'.
   assert (
-    testing.hlo.parse_hlo(default.program.as_text()).computations
-    == testing.hlo.parse_hlo(recipe.program.as_text()).computations
+    audits.parse_hlo(default.program.as_text()).computations
+    == audits.parse_hlo(recipe.program.as_text()).computations
   )
-  sides = testing.window_sides(default.program)
+  sides = audits.window_sides(default.program)
   assert len(default.on_host) == sides["close_window"] + sides["empty_window"]
   # A micro-step skips each outermost loop: one wait each. A closing step
   # runs each closing loop once, waiting before its trip and after it, and
@@ -430,7 +430,7 @@ def test_under_xla_defaults_the_host_drives_each_side(case):
 def test_without_collectives_the_closing_side_stays_on_the_host():
   """On 8 GPUs the window's reduction sits in the closing side's loops."""
   waits, _ = compiled("unreduced", "without_collectives")
-  module = testing.hlo.parse_hlo(waits.program.as_text())
+  module = audits.parse_hlo(waits.program.as_text())
   loops = {
     instruction.name: instruction
     for instructions in module.computations.values()
@@ -577,7 +577,7 @@ def test_a_conditional_window_copies_on_every_micro_step():
   program = compiled_for_gpu(
     step, params, state, batch_of(), donate_argnums=(0, 1)
   )
-  micro_step = testing.path_audit(program, "micro_step")
+  micro_step = audits.path_audit(program, "micro_step")
   weights = max(leaf.nbytes for leaf in jax.tree.leaves(params))
   assert micro_step.copied_bytes(at_least=MiB) >= weights, micro_step.copies
 
@@ -599,7 +599,7 @@ def test_a_window_turned_into_selects_runs_the_optimizer_every_time():
   program = compiled_for_gpu(
     step, params, optimizer.init(params), batch_of(), donate_argnums=(0, 1)
   )
-  micro_step = testing.path_audit(program, "micro_step")
+  micro_step = audits.path_audit(program, "micro_step")
   assert micro_step.misplaced_closing_work != []
 
 
@@ -634,7 +634,7 @@ HOST_SCHEDULED_ON_EIGHT = {
 
 
 def assert_no_control_flow(program: Any) -> None:
-  module = testing.hlo.parse_hlo(program.as_text())
+  module = audits.parse_hlo(program.as_text())
   control_flow = [
     instruction.name
     for instructions in module.computations.values()
@@ -656,7 +656,7 @@ def test_the_host_schedule_compiles_to_no_control_flow(case, closing):
   if not closing:
     # The closing program's copies are held to a plain Adam step's, in
     # test_bytes_moved_meet_the_targets.
-    micro_step = testing.path_audit(
+    micro_step = audits.path_audit(
       waits.program, "micro_step", require_window=False
     )
     assert micro_step.copied_bytes(at_least=MiB) == 0, micro_step.copies
@@ -673,7 +673,7 @@ def test_the_host_schedule_reduces_once_per_window_on_eight_gpus(case, closing):
     )
   assert_no_control_flow(program)
   # One program is one path: read whole.
-  audit = testing.path_audit(program, "micro_step", require_window=False)
+  audit = audits.path_audit(program, "micro_step", require_window=False)
   exchanged = [c for c in audit.collectives if c.operand_bytes > SCALAR_BYTES]
   if not closing:
     assert exchanged == [], exchanged

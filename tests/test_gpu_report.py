@@ -37,7 +37,6 @@ from benchmarks import (
   window_time,
   workloads,
 )
-from ga_optax import testing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = [
@@ -250,11 +249,10 @@ def check_the_cond_window_beside_accumulate(section):
   assert (h100["conditionals"], h100["loops"]) == (1, 0), h100
   loops = rows["ga_optax.accumulate", "H100 (compile-only)"]
   assert (loops["conditionals"], loops["loops"]) == (0, 3), loops
-  if hasattr(testing, "host_waits"):
-    # Under XLA's defaults the host drives accumulate's two outermost loops:
-    # a micro-step skips each, one wait each.
-    assert loops["waits_micro_step"] == 2, loops
-    assert h100["waits_micro_step"] in (0, 1), h100
+  # Under XLA's defaults the host drives accumulate's two outermost loops:
+  # a micro-step skips each, one wait each.
+  assert loops["waits_micro_step"] == 2, loops
+  assert h100["waits_micro_step"] in (0, 1), h100
 
 
 def check_two_summation_orders_of_the_large_batch(section):

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ga_optax import testing
+from ga_optax._src import audits
+from ga_optax._src.audits import Collective
 from ga_optax._src.audits.hlo import shape_bytes
-from ga_optax.testing.hlo import Collective
 
 # A window-closing conditional and nothing else.
 WINDOW_TEXT = """\
@@ -152,7 +152,7 @@ PER_ITERATION = [
 
 
 def test_parse_hlo_reads_computations_loops_and_callees():
-  module = testing.hlo.parse_hlo(LOOP_TEXT)
+  module = audits.parse_hlo(LOOP_TEXT)
   assert module.entry == "main"
   assert list(module.computations) == [
     "add",
@@ -167,7 +167,7 @@ def test_parse_hlo_reads_computations_loops_and_callees():
     "main",
   ]
   (loop,) = [i for i in module.computations["main"] if i.opcode == "while"]
-  assert loop == testing.hlo.HloInstruction(
+  assert loop == audits.HloInstruction(
     name="loop",
     opcode="while",
     shape=("(s32[], f32[2,32]{1,0}, f32[2,16]{1,0}, f32[16,32]{1,0}, pred[])"),
@@ -182,8 +182,8 @@ def test_parse_hlo_reads_computations_loops_and_callees():
 
 
 def test_reachable_follows_calls_and_stops_at_excluded():
-  module = testing.hlo.parse_hlo(LOOP_TEXT)
-  assert testing.hlo.reachable(module, "body") == {
+  module = audits.parse_hlo(LOOP_TEXT)
+  assert audits.reachable(module, "body") == {
     "body",
     "matmul",
     "count_votes",
@@ -191,7 +191,7 @@ def test_reachable_follows_calls_and_stops_at_excluded():
     "pass",
     "shift",
   }
-  assert testing.hlo.reachable(module, "main", excluded={"body", "close"}) == {
+  assert audits.reachable(module, "main", excluded={"body", "close"}) == {
     "main",
     "cond",
     "add",
@@ -203,13 +203,13 @@ def test_loop_collectives_are_those_of_the_body_and_condition():
   # A collective in a computation the body calls also runs once per
   # iteration; one in a branch of a conditional inside the body runs only on
   # the iterations that take that branch, so it is not counted.
-  assert testing.loop_collectives(LOOP_TEXT) == PER_ITERATION
+  assert audits.loop_collectives(LOOP_TEXT) == PER_ITERATION
 
 
 def test_loop_collectives_leave_out_what_runs_outside_the_loop():
-  module = testing.hlo.parse_hlo(LOOP_TEXT)
-  outside = {c.name for c in testing.hlo.collectives_in_hlo(module)} - {
-    c.name for c in testing.loop_collectives(module)
+  module = audits.parse_hlo(LOOP_TEXT)
+  outside = {c.name for c in audits.collectives_in_hlo(module)} - {
+    c.name for c in audits.loop_collectives(module)
   }
   # The all-gather before the loop and the all-reduce of the conditional
   # after it (in its closing branch) run once per call; the permute in a
@@ -219,20 +219,20 @@ def test_loop_collectives_leave_out_what_runs_outside_the_loop():
 
 def test_loop_collectives_is_empty_without_a_loop():
   # WINDOW_TEXT has a collective, in a conditional's branch, but no loop.
-  assert testing.hlo.collectives_in_hlo(testing.hlo.parse_hlo(window_text()))
-  assert testing.loop_collectives(window_text()) == []
+  assert audits.collectives_in_hlo(audits.parse_hlo(window_text()))
+  assert audits.loop_collectives(window_text()) == []
 
 
 def test_text_and_parsed_module_give_the_same_audit():
-  module = testing.hlo.parse_hlo(LOOP_TEXT)
-  assert testing.loop_collectives(module) == testing.loop_collectives(LOOP_TEXT)
-  assert testing.hlo.dot_shapes(module) == testing.hlo.dot_shapes(LOOP_TEXT)
+  module = audits.parse_hlo(LOOP_TEXT)
+  assert audits.loop_collectives(module) == audits.loop_collectives(LOOP_TEXT)
+  assert audits.dot_shapes(module) == audits.dot_shapes(LOOP_TEXT)
 
 
 def test_dot_shapes_of_fused_dots_and_convolutions():
   # The dot's operands are the parameters of its fusion; the convolution's
   # are the entry's parameters. Layouts are left out.
-  assert testing.hlo.dot_shapes(LOOP_TEXT) == [
+  assert audits.dot_shapes(LOOP_TEXT) == [
     ("f32[2,16]", "f32[16,32]"),
     ("f32[2,3,8,8]", "f32[4,3,3,3]"),
   ]
@@ -248,7 +248,7 @@ ENTRY %main (x: bf16[4,16], w: bf16[16,32]) -> f32[4,32] {
   ROOT %dot.3 = f32[4,32]{1,0} dot(bf16[4,16]{1,0:T(8,128)(2,1)} %x, bf16[16,32]{1,0:T(8,128)(2,1)} %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
-  assert testing.hlo.dot_shapes(text) == [("bf16[4,16]", "bf16[16,32]")]
+  assert audits.dot_shapes(text) == [("bf16[4,16]", "bf16[16,32]")]
 
 
 def test_dot_shapes_rejects_a_dot_on_undefined_operands():
@@ -261,12 +261,10 @@ ENTRY %main (x: f32[4,16]) -> f32[4,32] {
 }
 """
   with pytest.raises(ValueError, match="operand %w of %dot is not defined"):
-    testing.hlo.dot_shapes(text)
+    audits.dot_shapes(text)
 
 
-@pytest.mark.parametrize(
-  "audit", [testing.loop_collectives, testing.hlo.dot_shapes]
-)
+@pytest.mark.parametrize("audit", [audits.loop_collectives, audits.dot_shapes])
 def test_audits_ask_for_text_instead_of_a_compiled_object(audit):
   compiled = jax.jit(jnp.sin).lower(1.0).compile()
   with pytest.raises(TypeError, match=r"pass its \.as_text\(\)"):
@@ -283,7 +281,7 @@ def test_a_compiled_scan_of_a_dot_on_one_device():
   # 4 micro-batches of 8 rows, 16 features in, 32 out.
   w, xs = jnp.ones((16, 32)), jnp.ones((4, 8, 16))
   text = jax.jit(predict).lower(w, xs).compile().as_text()
-  module = testing.hlo.parse_hlo(text)
+  module = audits.parse_hlo(text)
   loops = [
     instruction
     for instructions in module.computations.values()
@@ -291,10 +289,10 @@ def test_a_compiled_scan_of_a_dot_on_one_device():
     if instruction.opcode == "while"
   ]
   assert [loop.trip_count for loop in loops] == [4]
-  assert testing.hlo.dot_shapes(module) == [("f32[8,16]", "f32[16,32]")]
+  assert audits.dot_shapes(module) == [("f32[8,16]", "f32[16,32]")]
   # The dot runs inside the loop: once per micro-batch, on its 8 rows.
   in_loop = set().union(
-    *(testing.hlo.reachable(module, callee) for callee in loops[0].callees)
+    *(audits.reachable(module, callee) for callee in loops[0].callees)
   )
   with_dots = {
     name
@@ -302,12 +300,12 @@ def test_a_compiled_scan_of_a_dot_on_one_device():
     if any(instruction.opcode == "dot" for instruction in instructions)
   }
   assert with_dots and with_dots <= in_loop, (with_dots, in_loop)
-  assert testing.hlo.collectives_in_hlo(module) == []
-  assert testing.loop_collectives(module) == []
+  assert audits.collectives_in_hlo(module) == []
+  assert audits.loop_collectives(module) == []
 
 
 def test_window_collectives_finds_the_closing_branch():
-  found = testing.window_collectives(window_text())
+  found = audits.window_collectives(window_text())
   assert found.every_micro_step == []
   assert found.closing_branch == "close"
   assert found.window_closing == [
@@ -316,7 +314,7 @@ def test_window_collectives_finds_the_closing_branch():
 
 
 def test_window_collectives_sees_collectives_on_every_step():
-  found = testing.window_collectives(
+  found = audits.window_collectives(
     window_text(
       "%all-gather = bf16[128]{0} all-gather(%p2), dimensions={0},"
       " replica_groups={{0,1,2,3,4,5,6,7}}"
@@ -334,14 +332,14 @@ def test_window_collectives_rejects_collectives_in_the_open_branch():
     "branch_computations={%close, %keep_open}",
   )
   with pytest.raises(ValueError, match="last one of its conditional"):
-    testing.window_collectives(text)
+    audits.window_collectives(text)
 
 
 def test_window_collectives_refuses_collectives_in_two_branches():
   # The conditional inside the loop body sits in no other branch either, so
   # two branches hold collectives: the audit refuses rather than guess.
   with pytest.raises(ValueError, match=r"found them in \['close', 'shift'\]"):
-    testing.window_collectives(LOOP_TEXT)
+    audits.window_collectives(LOOP_TEXT)
 
 
 # What XLA:GPU prints: asynchronous collectives, a "-start" that launches
@@ -431,7 +429,7 @@ ASYNC_CLOSING = [
 
 
 def test_collectives_in_hlo_counts_asynchronous_collectives_once():
-  found = testing.hlo.collectives_in_hlo(testing.hlo.parse_hlo(ASYNC_TEXT))
+  found = audits.collectives_in_hlo(audits.parse_hlo(ASYNC_TEXT))
   assert sorted(found) == sorted(
     [*ASYNC_IN_LOOP, ASYNC_BEFORE_LOOP, *ASYNC_CLOSING]
   )
@@ -441,11 +439,11 @@ def test_collectives_in_hlo_counts_asynchronous_collectives_once():
 def test_loop_collectives_sees_asynchronous_collectives_in_the_body():
   # On a GPU, "nothing moves inside the scan" must not hold because the
   # audit cannot read what the GPU prints.
-  assert testing.loop_collectives(ASYNC_TEXT) == ASYNC_IN_LOOP
+  assert audits.loop_collectives(ASYNC_TEXT) == ASYNC_IN_LOOP
 
 
 def test_window_collectives_sees_asynchronous_collectives_on_both_paths():
-  found = testing.window_collectives(ASYNC_TEXT)
+  found = audits.window_collectives(ASYNC_TEXT)
   assert found.closing_branch == "close"
   assert sorted(found.window_closing) == sorted(ASYNC_CLOSING)
   assert sorted(found.every_micro_step) == sorted(
@@ -459,12 +457,12 @@ def test_an_asynchronous_all_reduce_in_the_open_branch_is_refused():
     "branch_computations={%close, %keep_open}",
   )
   with pytest.raises(ValueError, match="last one of its conditional"):
-    testing.window_collectives(text)
+    audits.window_collectives(text)
 
 
 def test_parse_hlo_rejects_text_without_an_entry():
   with pytest.raises(ValueError, match="hlo_text must be the text"):
-    testing.hlo.parse_hlo("f32[] add(%a, %b)")
+    audits.parse_hlo("f32[] add(%a, %b)")
 
 
 @pytest.mark.parametrize(
@@ -506,8 +504,8 @@ ENTRY %main (p: f32[256], q: (pred[], f32[8])) -> f32[256] {
 
 
 def test_path_audit_counts_an_asynchronous_copy_once():
-  audit = testing.path_audit(ASYNC_COPY_TEXT, "micro_step")
-  assert audit.copies == [testing.Copy("main", "copy-start", 1024, True)]
+  audit = audits.path_audit(ASYNC_COPY_TEXT, "micro_step")
+  assert audit.copies == [audits.Copy("main", "copy-start", 1024, True)]
   assert audit.duplicates == []  # a move into host memory (S(5))
   # Read once and written once, as a copy: not its tuple's 2 KiB and more.
   assert audit.bytes_moved == 2 * 1024
@@ -520,13 +518,13 @@ def test_path_audit_refuses_a_step_without_a_window():
   params = jnp.ones((8, 8))
   program = jax.jit(adamw_step).lower(params, params).compile()
   with pytest.raises(ValueError, match="no ga_optax window") as refused:
-    testing.path_audit(program, "micro_step")
+    audits.path_audit(program, "micro_step")
   # The message says what to compare instead.
   assert "require_window=False" in str(refused.value)
   assert "optax.MultiSteps" in str(refused.value)
   # Audited as a baseline, both paths are the whole program.
   micro_step, closing = (
-    testing.path_audit(program, path, require_window=False)
+    audits.path_audit(program, path, require_window=False)
     for path in ("micro_step", "closing")
   )
   assert micro_step == closing._replace(path="micro_step")

@@ -1,6 +1,6 @@
 """Host waits read off the thunks XLA:GPU builds, and the recipe that ends them.
 
-:func:`ga_optax.testing.host_waits` counts, per path of the window, how
+:func:`audits.host_waits` counts, per path of the window, how
 often the host waits for the GPU: once per trip of a loop outside a CUDA
 graph and once more to leave it (none for a loop of known trip count), once
 per conditional. First on printed thunk sequences, where every figure is
@@ -8,13 +8,12 @@ known; then on programs XLA:GPU compiles for compile-only H100s (the
 window's whole matrix is in tests/test_gpu_program.py): control flow of
 each kind on the host and in a graph, the driver version without which a
 compile-only H100 keeps every loop on the host, and
-:func:`ga_optax.gpu_compiler_options` against the defaults of the installed
+:func:`gpu_compiler_options` against the defaults of the installed
 XLA, which it must repeat.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import tempfile
@@ -24,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-import test_docs_snippets as docs_snippets
 from gpu_compiler import compiled_for_gpu, host_waits_on_gpu
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 from ga_optax._src.audits import gpu_compile
+from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -125,7 +124,7 @@ METADATA = "".join(
 
 
 def test_waits_are_counted_per_path_from_the_printed_thunks():
-  waits = testing.count_host_waits(HLO, ALL_ON_THE_HOST, METADATA)
+  waits = audits.count_host_waits(HLO, ALL_ON_THE_HOST, METADATA)
   assert waits.top_level == ("custom_kernel", "while", "while", "conditional")
   assert waits.on_host == ("opened", "closed", "scan", "picked")
   # A micro-step: keep-open's one trip (2), the closing side's none (1),
@@ -188,7 +187,7 @@ LOOP_IN_THE_OPEN_SIDE_METADATA = "".join(
 
 
 def test_a_loop_in_the_side_that_does_not_run_costs_no_wait():
-  waits = testing.count_host_waits(
+  waits = audits.count_host_waits(
     HLO_LOOP_IN_THE_OPEN_SIDE,
     LOOP_IN_THE_OPEN_SIDE_ON_THE_HOST,
     LOOP_IN_THE_OPEN_SIDE_METADATA,
@@ -203,35 +202,35 @@ def test_a_loop_in_the_side_that_does_not_run_costs_no_wait():
 
 
 def test_control_flow_inside_a_command_buffer_costs_no_wait():
-  waits = testing.count_host_waits(HLO, ONE_GRAPH, METADATA)
+  waits = audits.count_host_waits(HLO, ONE_GRAPH, METADATA)
   assert waits[:4] == (0, 0, ("command_buffer",), ())
 
 
 def test_counting_refuses_a_dump_of_another_program():
   with pytest.raises(ValueError, match="holds no thunk"):
-    testing.count_host_waits(HLO, "", METADATA)
+    audits.count_host_waits(HLO, "", METADATA)
   with pytest.raises(ValueError, match="does not hold"):
-    testing.count_host_waits(
+    audits.count_host_waits(
       HLO, ALL_ON_THE_HOST, METADATA.replace('"closed"', '"elsewhere"')
     )
   with pytest.raises(TypeError, match="compiled program"):
-    testing.count_host_waits(3, ALL_ON_THE_HOST, METADATA)
+    audits.count_host_waits(3, ALL_ON_THE_HOST, METADATA)
 
 
 def test_host_waits_refuses_bad_arguments():
   with pytest.raises(TypeError, match="fun must be"):
-    testing.host_waits("step")
+    audits.host_waits("step")
   with pytest.raises(TypeError, match="compiler_options must be a mapping"):
-    testing.host_waits(jnp.sin, 1.0, compiler_options=["WHILE"])
+    audits.host_waits(jnp.sin, 1.0, compiler_options=["WHILE"])
   with pytest.raises(ValueError, match="xla_dump_to"):
-    testing.host_waits(jnp.sin, 1.0, compiler_options={"xla_dump_to": "/x"})
+    audits.host_waits(jnp.sin, 1.0, compiler_options={"xla_dump_to": "/x"})
   with pytest.raises(TypeError, match="compiler_options must be a mapping"):
-    testing.compile_for_gpu(jnp.sin, 1.0, compiler_options="WHILE")
+    audits.compile_for_gpu(jnp.sin, 1.0, compiler_options="WHILE")
 
 
 def test_the_recipe_refuses_a_non_bool():
   with pytest.raises(TypeError, match="collectives must be True or False"):
-    ga_optax.gpu_compiler_options(collectives="yes")
+    gpu_compiler_options(collectives="yes")
 
 
 def test_the_recipe_changes_nothing_on_the_cpu():
@@ -245,7 +244,7 @@ def test_the_recipe_changes_nothing_on_the_cpu():
   cpu = jax.devices("cpu")[0]
   params = jax.device_put(params, cpu)
   plain = jax.jit(step)
-  recipe = jax.jit(step, compiler_options=ga_optax.gpu_compiler_options())
+  recipe = jax.jit(step, compiler_options=gpu_compiler_options())
   expected, got = (params, tx.init(params)), (params, tx.init(params))
   for _ in range(4):
     expected = plain(*expected, params)
@@ -292,7 +291,7 @@ def test_the_recipe_captures_every_loop_and_conditional():
   waits = host_waits_on_gpu(
     control_flow,
     *CONTROL_FLOW_ARGS,
-    compiler_options=ga_optax.gpu_compiler_options(),
+    compiler_options=gpu_compiler_options(),
   )
   assert waits[:4] == (0, 0, ("command_buffer",), ())
 
@@ -321,7 +320,7 @@ def test_a_target_without_a_driver_version():
   step, args = accumulate_step()
   options = {
     "donate_argnums": (0, 1),
-    "compiler_options": ga_optax.gpu_compiler_options(),
+    "compiler_options": gpu_compiler_options(),
   }
   waits = host_waits_on_gpu(step, *args, **options)
   assert (waits.micro_step, waits.closing) == (0, 0), waits.top_level
@@ -360,35 +359,9 @@ def test_the_recipe_repeats_the_defaults_of_the_installed_xla():
   defaults = xla_default_kinds()
   assert "FUSION" in defaults, defaults
   for collectives in (True, False):
-    options = ga_optax.gpu_compiler_options(collectives=collectives)
+    options = gpu_compiler_options(collectives=collectives)
     kinds = set(options["xla_gpu_enable_command_buffer"].split(","))
     assert defaults <= kinds, defaults - kinds
     assert kinds - defaults == (
       {"WHILE", "COLLECTIVES"} if collectives else {"WHILE"}
-    )
-
-
-def test_the_flax_nnx_audit_of_the_gpu_page_prints_what_it_says():
-  """The page's NNX block, which the docs test leaves out (it needs the
-  plugin), run here with its printed claims checked."""
-  page = ROOT / "docs" / "how-to" / "gpu.md"
-  text = page.read_text()
-  section = text[text.index("### A Flax NNX step") :]
-  code = section.split("```python\n", 1)[1].split("```", 1)[0]
-  pytest.importorskip("flax")
-  recorder = docs_snippets.PrintRecorder(str(page))
-  namespace = {"__name__": "__main__", "print": recorder}
-  try:
-    exec(compile(code, str(page), "exec"), namespace)
-  except testing.GpuCompilerUnavailable as error:
-    if os.environ.get("CI"):
-      raise
-    pytest.skip(str(error))
-  claims = docs_snippets.claims_in(code)
-  assert len(claims) == 2
-  for claim in claims:
-    printed = recorder.outputs.get(claim.line, [])
-    assert docs_snippets.check_claim(claim.comment, printed) is None, (
-      claim,
-      printed,
     )

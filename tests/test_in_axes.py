@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 
 TIME, BATCH, FEATURES, HIDDEN = 3, 32, 2, 4
 K = 2
@@ -162,11 +162,11 @@ def _assert_close(actual: Any, expected: Any) -> None:
 
 
 def _check_no_gather_and_no_collective_in_the_scan(step, *args) -> None:
-  module = testing.hlo.parse_hlo(step.lower(*args).compile().as_text())
-  assert testing.loop_collectives(module) == []
+  module = audits.parse_hlo(step.lower(*args).compile().as_text())
+  assert audits.loop_collectives(module) == []
   gathers = [
     collective
-    for collective in testing.hlo.collectives_in_hlo(module)
+    for collective in audits.collectives_in_hlo(module)
     if collective.opcode in ("all-gather", "all-to-all")
   ]
   assert gathers == [], gathers
@@ -382,9 +382,7 @@ def test_a_replicated_batch_with_the_axes_named_is_split_over_them(axis_type):
     _assert_close(step(_params(), replicated), expected)
     text = step.lower(_params(), replicated).compile().as_text()
   # Each device computes its own share: B / (k * D) entries per micro-batch.
-  shapes = {
-    lhs for lhs, _ in testing.hlo.dot_shapes(testing.hlo.parse_hlo(text))
-  }
+  shapes = {lhs for lhs, _ in audits.dot_shapes(audits.parse_hlo(text))}
   entries = BATCH // (K * DEVICES)
   assert f"f32[{entries},{FEATURES}]" in shapes, shapes
   assert f"f32[{BATCH // K},{FEATURES}]" not in shapes, shapes

@@ -32,7 +32,7 @@ from token_windows import (
 )
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 from ga_optax._src.placements import residency
 
 DEVICES = 8
@@ -266,8 +266,8 @@ def test_loop_collectives_leave_out_a_closing_branch_inside_the_loop():
     )
     lowered = jax.jit(step).lower(params, tx.init(params), grads)
   text = lowered.compile().as_text()
-  assert testing.loop_collectives(text) == []
-  closing = testing.window_collectives(text).window_closing
+  assert audits.loop_collectives(text) == []
+  closing = audits.window_collectives(text).window_closing
   # The window's weight (a scalar, which says whether it steps) and its sum.
   assert sorted((c.opcode, c.operand_bytes) for c in closing) == [
     ("all-reduce", 4),
@@ -301,7 +301,7 @@ def test_muon_with_whole_matrices_reduces_like_one_all_reduce():
       text = (
         jax.jit(step).lower(placed, tx.init(placed), batch).compile().as_text()
       )
-    closing = testing.window_collectives(text).window_closing
+    closing = audits.window_collectives(text).window_closing
     gathered = sum(c.operand_bytes for c in closing if c.opcode == "all-gather")
     return gathered, sum(c.operand_bytes for c in closing)
 

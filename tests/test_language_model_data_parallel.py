@@ -34,7 +34,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 
 DEVICES = 8
 ROWS = 2  # per device and micro-step
@@ -201,7 +201,7 @@ def test_accumulating_with_the_returned_weight_matches_one_device():
   assert int(ga_optax.applied_updates(state)) == len(windows)
   assert_finite_and_close(params, large_batch_sgd(windows))
 
-  found = testing.window_collectives(compiled.as_text())
+  found = audits.window_collectives(compiled.as_text())
   # The loss and the weight, summed in one all-reduce; nothing else.
   assert [(c.opcode, c.operand_bytes) for c in found.every_micro_step] == [
     ("all-reduce", 8)

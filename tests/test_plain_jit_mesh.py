@@ -49,7 +49,7 @@ from token_windows import (
 )
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 
 DEVICES = 8
 K = 3
@@ -60,12 +60,12 @@ ROWS = 2  # per device and micro-step, on the 8 devices
 
 def check_audit(text: str, layout: Layout, params: Any, rows: int) -> None:
   """The HLO facts of a micro-batched step."""
-  module = testing.hlo.parse_hlo(text)
-  everywhere = testing.hlo.collectives_in_hlo(module)
-  in_loops = testing.loop_collectives(module)
+  module = audits.parse_hlo(text)
+  everywhere = audits.collectives_in_hlo(module)
+  in_loops = audits.loop_collectives(module)
   # Every device computes its own rows of every micro-batch.
   first_layer = [
-    lhs for lhs, _ in testing.hlo.dot_shapes(module) if lhs.endswith(f",{IN}]")
+    lhs for lhs, _ in audits.dot_shapes(module) if lhs.endswith(f",{IN}]")
   ]
   assert first_layer and set(first_layer) == {f"f32[{rows},{IN}]"}, first_layer
   # No parameter-sized collective per micro-batch (a model axis adds small
@@ -247,9 +247,9 @@ def test_flax_models(library):
     )
     compiled = step.lower(params, sharded_batch).compile()
     result = compiled(params, sharded_batch)
-    module = testing.hlo.parse_hlo(compiled.as_text())
-  assert testing.loop_collectives(module) == []
-  reductions = testing.hlo.collectives_in_hlo(module)
+    module = audits.parse_hlo(compiled.as_text())
+  assert audits.loop_collectives(module) == []
+  reductions = audits.collectives_in_hlo(module)
   assert [c.opcode for c in reductions] == ["all-reduce"], reductions
   assert_finite_and_close(result, expected)
 
@@ -321,7 +321,7 @@ def test_accumulate_unreduced_matches_the_large_batch(layout, fused):
     final, large_batch_reference(SGD, init_params(), windows)
   )
 
-  found = testing.window_collectives(compiled.as_text())
+  found = audits.window_collectives(compiled.as_text())
   # Per micro-step: the loss value's and the weights' scalar sums, and on a
   # model axis the model's own activation sums; nothing parameter-sized.
   if "model" in layout.axes:
@@ -401,10 +401,10 @@ def test_auto_axes_accumulate_keeps_the_params_sharding():
   # Nothing moves between devices when the window closes (the optimizer
   # works on its shards), and accumulating gathers nothing the plain step
   # does not: XLA's per-micro-step gradient reduction is all there is.
-  found = testing.window_collectives(compiled.as_text())
+  found = audits.window_collectives(compiled.as_text())
   assert found.window_closing == [], found
-  plain = testing.hlo.collectives_in_hlo(
-    testing.hlo.parse_hlo(
+  plain = audits.collectives_in_hlo(
+    audits.parse_hlo(
       jax.jit(plain_step).lower(params, first).compile().as_text()
     )
   )

@@ -39,7 +39,7 @@ from token_windows import (
 )
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 
 DEVICES = 8
 ROWS = 2  # per device and micro-step
@@ -143,7 +143,7 @@ def test_shard_map_matches_the_large_batch(optimizer, skip_nonfinite):
   step = shard_step(local_token_step(tx), mesh, check_vma=False)
   step = step.lower(params, tx.init(params), *run[0]).compile()
 
-  found = testing.window_collectives(step.as_text())
+  found = audits.window_collectives(step.as_text())
   # skip_nonfinite adds one scalar vote per micro-step, and nothing else.
   votes = [("all-reduce", 4)] if skip_nonfinite else []
   assert [(c.opcode, c.operand_bytes) for c in found.every_micro_step] == (
@@ -179,7 +179,7 @@ def test_shard_map_with_check_vma_matches_the_large_batch():
   first = next(micro_steps(windows, K))
   compiled = step.lower(params, tx.init(params), *first).compile()
 
-  found = testing.window_collectives(compiled.as_text())
+  found = audits.window_collectives(compiled.as_text())
   # Autodiff's all-reduce of the gradient on every micro-step (and the
   # weight's); at the close only the scalar weight sum.
   assert sum(c.operand_bytes for c in found.every_micro_step) >= tree_bytes(
@@ -231,7 +231,7 @@ def test_pmap_matches_the_large_batch():
 
   first = per_device(windows[0][0])
   text = step.lower(params, state, first, False).compile().as_text()
-  found = testing.window_collectives(text)
+  found = audits.window_collectives(text)
   assert found.every_micro_step == [], found
   assert sum(c.operand_bytes for c in found.window_closing) == (
     tree_bytes(init_params()) + 4
@@ -260,7 +260,7 @@ def test_the_audit_sees_a_reduction_on_every_micro_step():
     return optax.apply_updates(params, updates), state
 
   step = shard_step(naive_step, mesh, check_vma=False)
-  found = testing.window_collectives(
+  found = audits.window_collectives(
     step.lower(params, tx.init(params), batch, flush).compile().as_text()
   )
   assert found.window_closing == [] and found.closing_branch is None, found
@@ -289,18 +289,18 @@ def test_microbatched_value_and_grad_reduces_after_the_scan(check_vma):
     )
   ).lower(params, batch)
   compiled = compute.compile()
-  module = testing.hlo.parse_hlo(compiled.as_text())
+  module = audits.parse_hlo(compiled.as_text())
   assert any(
     instruction.opcode == "while"
     for instructions in module.computations.values()
     for instruction in instructions
   ), "expected the scan over micro-batches to compile to a while"
-  assert testing.loop_collectives(module) == []
+  assert audits.loop_collectives(module) == []
   # Each device multiplies its own rows of each micro-batch.
-  dots = testing.hlo.dot_shapes(module)
+  dots = audits.dot_shapes(module)
   assert all(lhs.startswith(f"f32[{rows},") for lhs, _ in dots), dots
-  everywhere = testing.hlo.collectives_in_hlo(
-    module, testing.hlo.reachable(module, module.entry)
+  everywhere = audits.collectives_in_hlo(
+    module, audits.reachable(module, module.entry)
   )
   # After the scan: the gradient, value and weight sums, once.
   assert sum(c.operand_bytes for c in everywhere) == (tree_bytes(params) + 8), (

@@ -1,7 +1,7 @@
 """The program a TPU compiles: the window's claims on a compile-only TPU.
 
 ``libtpu`` compiles for a v5e slice on this machine
-(:func:`ga_optax.testing.compile_for_tpu`); the programs are read, never run.
+(:func:`audits.compile_for_tpu`); the programs are read, never run.
 The workload is a 4 x 1024² tanh MLP with Adam, k = 4, params and state
 donated as a training loop does. Every ratio below compares two programs
 compiled here, in one run; none is a time.
@@ -35,7 +35,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
-from ga_optax import testing
+from ga_optax._src import audits
 
 # Skipped where libtpu is missing, except in CI, which installs it: there
 # the tests fail with TpuCompilerUnavailable and the command that installs it.
@@ -92,7 +92,7 @@ def compiled(name: str) -> Any:
   """The step ``name`` compiled for one v5e chip, params and state donated."""
   step, tx = steps()[name]
   params = mlp_params()
-  return testing.compile_for_tpu(
+  return audits.compile_for_tpu(
     step,
     params,
     tx.init(params),
@@ -105,7 +105,7 @@ def peak(name: str) -> int:
   return compiled(name).memory_analysis().peak_memory_in_bytes
 
 
-def large_duplicates(audit: testing.PathAudit) -> list[testing.Copy]:
+def large_duplicates(audit: audits.PathAudit) -> list[audits.Copy]:
   """Duplicates of a buffer of a megabyte or more (a parameter's, say)."""
   return [copy for copy in audit.duplicates if copy.bytes >= 2**20]
 
@@ -150,7 +150,7 @@ def wide_params() -> dict[str, jax.ShapeDtypeStruct]:
 
 def compiled_wide(step: Any, state: Any) -> Any:
   """``step`` compiled at 4 x 4096² for one v5e chip, donated."""
-  return testing.compile_for_tpu(
+  return audits.compile_for_tpu(
     step,
     wide_params(),
     state,
@@ -218,7 +218,7 @@ def test_clearing_on_the_next_first_micro_step_trades_the_tpu_peak_for_h100_byte
     clearing.deferred_clearing_state(adam, wide_params()),
   )
   deferred = wide_peak(program)
-  micro = testing.path_audit(program, "micro_step")
+  micro = audits.path_audit(program, "micro_step")
   assert large_duplicates(micro) == []
   peaks = wide_peaks()
   assert deferred <= peaks["multi_steps"], (deferred, peaks)
@@ -238,7 +238,7 @@ def test_a_loop_that_keeps_its_state_peaks_above_multi_steps():
   """
   tx = ga_optax.accumulate(optax.adam(1e-3), K)
   params = mlp_params()
-  program = testing.compile_for_tpu(
+  program = audits.compile_for_tpu(
     train_step(tx),
     params,
     tx.init(params),
@@ -250,12 +250,12 @@ def test_a_loop_that_keeps_its_state_peaks_above_multi_steps():
 
 
 def test_a_micro_step_runs_no_optimizer_and_moves_less_than_multi_steps():
-  multi_steps = testing.path_audit(
+  multi_steps = audits.path_audit(
     compiled("multi_steps"), "micro_step", require_window=False
   )
-  micro = testing.path_audit(compiled("accumulate"), "micro_step")
-  closing = testing.path_audit(compiled("accumulate"), "closing")
-  host_micro = testing.path_audit(
+  micro = audits.path_audit(compiled("accumulate"), "micro_step")
+  closing = audits.path_audit(compiled("accumulate"), "closing")
+  host_micro = audits.path_audit(
     compiled("host_micro_step"), "micro_step", require_window=False
   )
   assert micro.misplaced_closing_work == []
@@ -278,15 +278,15 @@ def test_a_window_turned_into_selects_runs_the_optimizer_on_the_micro_step():
     adam, jax.grad(mlp_loss), lambda inputs: inputs[0, 0] > 0
   )
   params = mlp_params()
-  program = testing.compile_for_tpu(
+  program = audits.compile_for_tpu(
     step,
     params,
     adam.init(params),
     jnp.zeros((ROWS, WIDTH)),
     donate_argnums=(0, 1),
   )
-  micro = testing.path_audit(program, "micro_step", require_window=False)
-  host_micro = testing.path_audit(
+  micro = audits.path_audit(program, "micro_step", require_window=False)
+  host_micro = audits.path_audit(
     compiled("host_micro_step"), "micro_step", require_window=False
   )
   assert micro.misplaced_closing_work != []
@@ -297,13 +297,13 @@ def test_the_audit_tells_memory_space_moves_from_duplicates():
   # A buffer returned twice is duplicated in the chip's main memory; the
   # window's step moves buffers into on-chip memory and back, and those
   # moves are no duplicates.
-  control = testing.path_audit(
-    testing.compile_for_tpu(lambda x: (x, x), jnp.zeros((WIDTH, WIDTH))),
+  control = audits.path_audit(
+    audits.compile_for_tpu(lambda x: (x, x), jnp.zeros((WIDTH, WIDTH))),
     "micro_step",
     require_window=False,
   )
   assert [copy.bytes for copy in large_duplicates(control)] == [WIDTH**2 * 4]
-  micro = testing.path_audit(compiled("accumulate"), "micro_step")
+  micro = audits.path_audit(compiled("accumulate"), "micro_step")
   moves = [copy for copy in micro.copies if copy.between_memory_spaces]
   assert sum(copy.bytes for copy in moves) >= PARAM_BYTES
 
@@ -313,7 +313,7 @@ def test_the_device_scheduled_micro_step_duplicates_no_parameter():
   reading (placements/local.py: zeroed); zeros read from the updates'
   buffer made the TPU compiler copy four parameter-sized buffers in
   on-chip memory on every call."""
-  micro = testing.path_audit(compiled("accumulate"), "micro_step")
+  micro = audits.path_audit(compiled("accumulate"), "micro_step")
   assert large_duplicates(micro) == []
 
 
@@ -322,7 +322,7 @@ def test_the_fused_window_duplicates_no_parameter():
   and leaves the accumulator at zero in its own: nothing to duplicate,
   where ``accumulate``'s updates and its cleared accumulator share one."""
   for path in ("micro_step", "closing"):
-    audit = testing.path_audit(compiled("accumulate_and_apply"), path)
+    audit = audits.path_audit(compiled("accumulate_and_apply"), path)
     assert large_duplicates(audit) == [], path
     assert audit.misplaced_closing_work == [], path
 
@@ -342,7 +342,7 @@ def test_on_four_chips_the_gradient_is_reduced_once_per_window():
 
   with jax.set_mesh(mesh):
     params = jax.device_put(mlp_params(2), P())
-    program = testing.compile_for_tpu(
+    program = audits.compile_for_tpu(
       step,
       params,
       jax.jit(tx.init)(params),
@@ -351,8 +351,8 @@ def test_on_four_chips_the_gradient_is_reduced_once_per_window():
       donate_argnums=(0, 1),
     )
   gradient_bytes = 2 * WIDTH * WIDTH * 4
-  micro = testing.path_audit(program, "micro_step")
-  closing = testing.path_audit(program, "closing")
+  micro = audits.path_audit(program, "micro_step")
+  closing = audits.path_audit(program, "closing")
   # Every call sums the micro-step's weight, a scalar; only the closing
   # call reduces the gradient, once.
   assert [c.operand_bytes for c in micro.collectives] == [4]
@@ -373,7 +373,7 @@ def test_on_four_chips_a_reduced_gradient_is_all_reduced_on_every_call():
   tx = ga_optax.accumulate(optax.adam(1e-3), K)
   with jax.set_mesh(mesh):
     params = jax.device_put(mlp_params(2), P())
-    program = testing.compile_for_tpu(
+    program = audits.compile_for_tpu(
       train_step(tx),
       params,
       jax.jit(tx.init)(params),
@@ -381,7 +381,7 @@ def test_on_four_chips_a_reduced_gradient_is_all_reduced_on_every_call():
       num_devices=4,
       donate_argnums=(0, 1),
     )
-  micro = testing.path_audit(program, "micro_step")
+  micro = audits.path_audit(program, "micro_step")
   gradient_bytes = 2 * WIDTH * WIDTH * 4
   assert sum(c.operand_bytes for c in micro.collectives) >= gradient_bytes
 
@@ -393,7 +393,7 @@ def test_the_planner_compiles_for_a_tpu_chip():
   the same step compiled with ``compile_for_tpu``, and differ from the CPU
   program's. (docs/how-to/tpu.md plans a micro-batch with them.)
   """
-  (chip,) = testing.tpu_devices()
+  (chip,) = audits.tpu_devices()
   adam = optax.adam(1e-3)
   params = mlp_params(2)
 
@@ -403,7 +403,7 @@ def test_the_planner_compiles_for_a_tpu_chip():
   # The planner's micro-step: accumulate(optimizer, 2), params and state
   # donated.
   tx = ga_optax.accumulate(adam, 2)
-  program = testing.compile_for_tpu(
+  program = audits.compile_for_tpu(
     train_step(tx),
     params,
     tx.init(params),
@@ -429,11 +429,11 @@ def test_the_planner_compiles_for_a_tpu_chip():
 
 def test_a_bad_slice_is_named():
   with pytest.raises(ValueError, match="num_devices"):
-    testing.tpu_devices(3)
+    audits.tpu_devices(3)
   with pytest.raises(ValueError, match="target"):
-    testing.tpu_devices(1, target="v3")
+    audits.tpu_devices(1, target="v3")
   with pytest.raises(TypeError, match="num_devices"):
-    testing.tpu_devices(True)
+    audits.tpu_devices(True)
 
 
 def test_the_memory_benchmark_runs_and_its_plan_fits(tmp_path):

@@ -14,7 +14,7 @@ from gpu_compiler import compiled_for_gpu
 
 from benchmarks import window_sizes
 from benchmarks import workloads as workloads_lib
-from ga_optax import testing
+from ga_optax._src import audits
 
 STEPS = [
   "plain Adam",
@@ -50,8 +50,8 @@ def test_the_conditional_form_holds_no_loop_on_the_h100():
     program = compiled_for_gpu(
       window_sizes.fresh(step), *args, donate_argnums=(0, 1)
     )
-    micro_step = testing.path_audit(program, "micro_step")
-    return testing.window_sides(program), micro_step.misplaced_closing_work
+    micro_step = audits.path_audit(program, "micro_step")
+    return audits.window_sides(program), micro_step.misplaced_closing_work
 
   loops = {"keep_open": 0, "close_window": 3, "empty_window": 0}
   assert audit() == (loops, [])

@@ -42,7 +42,7 @@ from token_windows import (
 )
 
 import ga_optax
-from ga_optax.testing import window_collectives
+from ga_optax._src.audits import window_collectives
 
 K, DEVICES, ROWS = 3, 8, 2
 # The second window is closed by a flush after 2 micro-steps.

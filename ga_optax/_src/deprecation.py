@@ -1,62 +1,76 @@
-"""Public names that moved to a namespace, still found where they were.
+"""Public names that went, and the error that names their replacement.
 
-A module whose names moved sets its ``__getattr__`` (PEP 562), which Python
-calls only for a name the module does not hold, to :func:`moved_names` of
-the namespaces that took them. The old spelling returns the same object as
-the new one and warns, with a ``DeprecationWarning`` that names the new
-spelling. The module neither imports the moved names nor lists them in
-``__all__``, so that ``dir()``, ``from ... import *`` and the API reference
-show them only where they live now.
+A module whose names moved or went sets its ``__getattr__`` (PEP 562),
+which Python calls only for a name the module does not hold, to
+:func:`removed_names`: the old spelling raises an ``AttributeError`` that
+says what to use instead. The module neither holds the old names nor lists
+them in ``__all__``, so that ``dir()``, ``from ... import *`` and the API
+reference show only what is there.
 """
 
 from __future__ import annotations
 
-import types
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+# The compiled-program audits that ga_optax.testing and ga_optax.testing.hlo
+# exported, now private behind ga_optax.testing.audit.
+REMOVED_AUDITS = (
+  "Collective",
+  "Copy",
+  "GpuCompilerUnavailable",
+  "HloInstruction",
+  "HloModule",
+  "HostWaits",
+  "PathAudit",
+  "TpuCompilerUnavailable",
+  "WindowCollectives",
+  "collectives_in_hlo",
+  "compile_for_gpu",
+  "compile_for_tpu",
+  "count_host_waits",
+  "dot_shapes",
+  "gpu_devices",
+  "hlo",
+  "host_waits",
+  "loop_collectives",
+  "parse_hlo",
+  "path_audit",
+  "reachable",
+  "tpu_devices",
+  "window_collectives",
+  "window_sides",
+)
 
-def moved_names(
-  module: str, *namespaces: types.ModuleType
+
+def removed_names(
+  module: str, replacements: Mapping[str, str]
 ) -> Callable[[str], Any]:
-  """The ``__getattr__`` of ``module``, whose names moved to ``namespaces``.
+  """The ``__getattr__`` of ``module``, whose ``replacements`` names went.
 
   Args:
     module: the name of the module that held the names, say ``"ga_optax"``.
-    *namespaces: the namespaces that took them: each one's ``__all__``
-      lists the names it took.
+    replacements: each removed name mapped to what replaces it, as the
+      error should say it (``"ga_optax.planning.plan_windows"``, say).
 
   Returns:
-    ``__getattr__(name)``: the object the namespace that lists ``name``
-    holds under it, with a ``DeprecationWarning``; an ``AttributeError``,
-    as for any missing attribute, when no namespace lists it.
+    ``__getattr__(name)``, which raises an ``AttributeError``: naming the
+    replacement for a removed name, as for any missing attribute otherwise.
 
   Example:
-    >>> import types, warnings
-    >>> tools = types.ModuleType("package.tools")
-    >>> tools.__all__, tools.measure = ["measure"], len
-    >>> package_getattr = moved_names("package", tools)
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...   warnings.simplefilter("always")
-    ...   package_getattr("measure") is len
-    True
-    >>> print(caught[0].message)  # doctest: +ELLIPSIS
-    package.measure is deprecated: use package.tools.measure, which is ...
+    >>> package_getattr = removed_names("package", {"old": "package.new"})
+    >>> package_getattr("old")
+    Traceback (most recent call last):
+    ...
+    AttributeError: package.old was removed: use package.new.
   """
 
   def __getattr__(name: str) -> Any:
-    for namespace in namespaces:
-      if name in namespace.__all__:
-        warnings.warn(
-          f"{module}.{name} is deprecated: use {namespace.__name__}.{name},"
-          f" which is the same object; {module}.{name} will be removed in a"
-          " future release.",
-          DeprecationWarning,
-          # The caller: the line that spelled the old name.
-          stacklevel=2,
-        )
-        return getattr(namespace, name)
+    if name in replacements:
+      raise AttributeError(
+        f"{module}.{name} was removed: use {replacements[name]}.",
+        name=name,
+      )
     raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
   return __getattr__

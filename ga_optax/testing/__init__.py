@@ -8,30 +8,12 @@ parameters, once on each large batch and once on its micro-batches through
 test suite. A leaf that only float rounding moves (an attention block's key
 bias) cannot be judged by any tolerance: ``exclude=`` leaves it out, by path.
 
-On several devices it is also only worth having if it does not move more
-data than the large batch would. The HLO audits read a compiled step's text
-(``jax.jit(step).lower(...).compile().as_text()``): :func:`window_collectives`
-splits its collectives into those of every call and those of the branch that
-closes a window, and :func:`loop_collectives` finds those inside a loop over
-micro-batches. What they are built from (parsing the text, following its
-calls, listing its collectives, the shapes its matrix products see) is in
-:mod:`ga_optax.testing.hlo`, for questions of one's own.
-
-On a GPU it is only worth having if a micro-step costs less than a step of
-the optimizer: :func:`compile_for_gpu` compiles a step with the real XLA:GPU
-compiler for GPUs this machine need not have (an H100 by default; it needs
-JAX's CUDA plugin), and :func:`path_audit` reads what a compiled step does
-on a micro-step and on the call that closes a window: bytes moved, copies,
-collectives, and closing work the compiler moved out of the closing side.
-:func:`host_waits` counts, per path, how often the compiled step makes the
-host wait for the GPU (a loop or conditional outside a CUDA graph), under
-XLA's defaults or :func:`ga_optax.gpu_compiler_options`.
-
-On a TPU likewise: :func:`compile_for_tpu` compiles a step with the TPU
-compiler for a slice this machine need not have (a v5e chip by default; it
-needs ``libtpu``), for the same audits. A TPU program moves buffers into the
-chip's on-chip memory and back; :attr:`PathAudit.duplicates` leaves those
-moves out of its copies.
+Whether it costs what it should is a question for the compiled program:
+:func:`audit` compiles a step for a named compile-only target (an H100, 8
+H100s, a v5e chip, 4 v5e chips, the CPU) and reports, per kind of call,
+the bytes it moves, the buffers it duplicates, its collectives, how often a
+GPU's host waits for it, closing work a micro-step pays for, and the
+program's control flow and peak memory, beside another step's if asked.
 """
 
 from __future__ import annotations
@@ -46,32 +28,7 @@ import numpy as np
 import optax
 
 from ga_optax._src import deprecation, validation
-from ga_optax._src.audits.compiled_paths import (
-  Copy,
-  PathAudit,
-  path_audit,
-  window_sides,
-)
-from ga_optax._src.audits.gpu_compile import (
-  GpuCompilerUnavailable,
-  compile_for_gpu,
-  gpu_devices,
-)
-from ga_optax._src.audits.hlo_audits import (
-  WindowCollectives,
-  loop_collectives,
-  window_collectives,
-)
-from ga_optax._src.audits.host_waits import (
-  HostWaits,
-  count_host_waits,
-  host_waits,
-)
-from ga_optax._src.audits.tpu_compile import (
-  TpuCompilerUnavailable,
-  compile_for_tpu,
-  tpu_devices,
-)
+from ga_optax._src.audits.report import AuditReport, PathReport, audit
 from ga_optax._src.audits.tree_difference import (
   PathFilter,
   excluded_paths,
@@ -82,37 +39,25 @@ from ga_optax._src.audits.tree_difference import (
   relative_difference,
 )
 from ga_optax._src.window.transform import accumulate
-from ga_optax.testing import hlo
 
 __all__ = [
-  "Copy",
+  "AuditReport",
   "EquivalenceResult",
-  "GpuCompilerUnavailable",
-  "HostWaits",
-  "PathAudit",
-  "TpuCompilerUnavailable",
-  "WindowCollectives",
+  "PathReport",
   "assert_equivalent_to_large_batch",
+  "audit",
   "compare_with_large_batch",
-  "compile_for_gpu",
-  "compile_for_tpu",
-  "count_host_waits",
-  "gpu_devices",
-  "hlo",
-  "host_waits",
-  "loop_collectives",
   "max_relative_difference",
-  "path_audit",
-  "tpu_devices",
-  "window_collectives",
-  "window_sides",
 ]
 
 LossFn = Callable[[optax.Params, Any], jax.Array]
 
-# The names of ga_optax.testing.hlo were ga_optax.testing's up to 0.2.0:
-# they are still found here, with a warning.
-__getattr__ = deprecation.moved_names(__name__, hlo)
+# The compiled-program audits of 0.2.0 went behind audit(): their names,
+# and ga_optax.testing.hlo's, raise an AttributeError that says so.
+__getattr__ = deprecation.removed_names(
+  __name__,
+  dict.fromkeys(deprecation.REMOVED_AUDITS, "ga_optax.testing.audit"),
+)
 
 
 class EquivalenceResult(NamedTuple):

@@ -30,7 +30,7 @@ def check_compiler_options(compiler_options: Any) -> None:
   if compiler_options is not None and not isinstance(compiler_options, Mapping):
     raise TypeError(
       "compiler_options must be a mapping of XLA option names to values, as"
-      " for jax.jit (say ga_optax.gpu_compiler_options()), got"
+      " for jax.jit (say gpu_compiler_options()), got"
       f" {type(compiler_options).__name__}."
     )
 

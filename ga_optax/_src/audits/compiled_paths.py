@@ -26,7 +26,7 @@ path and reports what it executes there:
 
 These are compiler figures: deterministic, and the same on any machine that
 compiles for the same target, but not times. For XLA:GPU, compile with
-:func:`ga_optax.testing.compile_for_gpu`.
+:func:`compile_for_gpu`.
 """
 
 from __future__ import annotations
@@ -208,8 +208,8 @@ def path_audit(
 
   Args:
     program: a compiled program (``jax.jit(step).lower(...).compile()``, or
-      :func:`ga_optax.testing.compile_for_gpu`'s result), its text, or a
-      module from :func:`ga_optax.testing.hlo.parse_hlo`.
+      :func:`compile_for_gpu`'s result), its text, or a
+      module from :func:`parse_hlo`.
     path: ``"micro_step"`` (the window stays open) or ``"closing"``.
     require_window: refuse a program that holds no ga_optax window. A step
       without one (``optax.MultiSteps``, a plain optimizer step) has no
@@ -228,7 +228,7 @@ def path_audit(
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, ga_optax
-    >>> from ga_optax.testing import path_audit
+    >>> from ga_optax._src.audits import path_audit
     >>> tx = ga_optax.accumulate(optax.adam(1e-3), 4)
     >>> params = {"w": jnp.ones((256, 256))}
     >>> def step(params, state, grads):

@@ -147,7 +147,7 @@ def compile_for_gpu(
       program copies depends on it).
     compiler_options: XLA options for this compilation, as for
       ``jax.jit(..., compiler_options=...)``: say
-      :func:`ga_optax.gpu_compiler_options`, to compile the step as a GPU
+      :func:`ga_optax._src.recipes.gpu_recipe.gpu_compiler_options`, to compile the step as a GPU
       training loop would run it under that recipe.
 
   Returns:
@@ -162,15 +162,15 @@ def compile_for_gpu(
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
-    >>> from ga_optax import testing
+    >>> from ga_optax._src import audits
     >>> tx = ga_optax.accumulate(optax.adam(1e-3), 4)
     >>> params = {"w": jnp.ones((1024, 1024))}
     >>> def step(params, state, grads):
     ...   updates, state = tx.update(grads, state, params)
     ...   return optax.apply_updates(params, updates), state
-    >>> compiled = testing.compile_for_gpu(  # doctest: +SKIP
+    >>> compiled = audits.compile_for_gpu(  # doctest: +SKIP
     ...     step, params, tx.init(params), params, donate_argnums=(0, 1))
-    >>> testing.path_audit(compiled, "micro_step").copies  # doctest: +SKIP
+    >>> audits.path_audit(compiled, "micro_step").copies  # doctest: +SKIP
     []
   """
   compile_only.check_compiler_options(compiler_options)

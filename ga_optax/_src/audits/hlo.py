@@ -229,7 +229,7 @@ def parse_hlo(hlo_text: str) -> HloModule:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from ga_optax.testing.hlo import parse_hlo
+    >>> from ga_optax._src.audits import parse_hlo
     >>> def predict(w, xs):  # a lax.scan compiles to an HLO while loop
     ...   step = lambda total, x: (total + jnp.tanh(x @ w).sum(), None)
     ...   return jax.lax.scan(step, 0.0, xs)[0]
@@ -294,7 +294,7 @@ def reachable(
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from ga_optax.testing.hlo import parse_hlo, reachable
+    >>> from ga_optax._src.audits import parse_hlo, reachable
     >>> def step(params, closes):
     ...   return jax.lax.cond(closes, lambda p: 2 * p, lambda p: p, params)
     >>> text = jax.jit(step).lower(jnp.ones(3), True).compile().as_text()
@@ -369,7 +369,7 @@ def collectives_in_hlo(
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from ga_optax.testing.hlo import collectives_in_hlo, parse_hlo
+    >>> from ga_optax._src.audits import collectives_in_hlo, parse_hlo
     >>> text = jax.jit(jnp.sum).lower(jnp.ones(8)).compile().as_text()
     >>> collectives_in_hlo(parse_hlo(text))  # one device moves nothing
     []

@@ -66,7 +66,7 @@ def window_collectives(hlo_text: str) -> WindowCollectives:
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, ga_optax
-    >>> from ga_optax.testing import window_collectives
+    >>> from ga_optax._src.audits import window_collectives
     >>> tx = ga_optax.accumulate(optax.sgd(0.1), 4)
     >>> def step(params, state, grads):
     ...   updates, state = tx.update(grads, state, params)
@@ -192,7 +192,7 @@ def loop_collectives(hlo_text_or_module: str | HloModule) -> list[Collective]:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from ga_optax.testing import loop_collectives
+    >>> from ga_optax._src.audits import loop_collectives
     >>> def predict(w, xs):  # a lax.scan compiles to an HLO while loop
     ...   step = lambda total, x: (total + jnp.tanh(x @ w).sum(), None)
     ...   return jax.lax.scan(step, 0.0, xs)[0]
@@ -250,7 +250,7 @@ def dot_shapes(hlo_text_or_module: str | HloModule) -> list[tuple[str, str]]:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from ga_optax.testing.hlo import dot_shapes
+    >>> from ga_optax._src.audits import dot_shapes
     >>> def predict(w, xs):  # one micro-batch of 8 rows per iteration
     ...   step = lambda total, x: (total + jnp.tanh(x @ w).sum(), None)
     ...   return jax.lax.scan(step, 0.0, xs)[0]

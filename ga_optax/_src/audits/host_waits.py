@@ -13,9 +13,9 @@ the device idles after the wait. Inside a command buffer the same loop or
 conditional is a node of the graph that the device evaluates: no wait.
 
 :func:`host_waits` compiles a step for compile-only GPUs (as
-:func:`ga_optax.testing.compile_for_gpu` does), reads the thunk sequence
+:func:`compile_for_gpu` does), reads the thunk sequence
 XLA:GPU built for it, and counts the waits on each path of the window (as
-:func:`ga_optax.testing.path_audit` defines the paths: each side of the
+:func:`path_audit` defines the paths: each side of the
 window is a loop of at most one trip, which a micro-step runs on one side
 and the closing call on the other). Each side outside a command buffer
 costs a micro-step 3 waits: 2 for the side that runs once, 1 for the one
@@ -73,7 +73,7 @@ class HostWaits(NamedTuple):
       command buffer), by instruction name, in the order the sequence
       lists them.
     program: the compiled program that was read, for the other audits
-      (:func:`ga_optax.testing.path_audit`).
+      (:func:`path_audit`).
   """
 
   micro_step: int
@@ -100,7 +100,7 @@ def host_waits(
 ) -> HostWaits:
   """Compiles ``fun(*args)`` for GPUs and counts the host waits of each path.
 
-  The step is compiled as :func:`ga_optax.testing.compile_for_gpu` compiles
+  The step is compiled as :func:`compile_for_gpu` compiles
   it (same arguments; the H100 target reports a CUDA 13 driver, as a real
   one does, which XLA:GPU asks before it captures loops in command
   buffers), and the thunk sequence XLA:GPU built is read: each loop and
@@ -116,12 +116,12 @@ def host_waits(
     target: ``"h100"``, or the text of a ``GpuTargetConfigProto``.
     donate_argnums: the arguments donated, as for ``jax.jit``.
     compiler_options: XLA options, as for ``jax.jit``: say
-      :func:`ga_optax.gpu_compiler_options`; None compiles under XLA's
+      the private recipe ``gpu_compiler_options()``; None compiles under XLA's
       defaults.
 
   Returns:
     A :class:`HostWaits`. A loop of the window runs 0 or 1 times, as
-    :func:`ga_optax.testing.path_audit` counts it; any other loop of
+    :func:`path_audit` counts it; any other loop of
     unknown trip count, once; a conditional outside the window takes its
     first branch on a micro-step, its last when the window closes.
 
@@ -136,20 +136,17 @@ def host_waits(
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
-    >>> from ga_optax import testing
+    >>> from ga_optax._src import audits
     >>> tx = ga_optax.accumulate(optax.adam(1e-3), 4)
     >>> params = {"w": jnp.ones((1024, 1024))}
     >>> def step(params, state, grads):
     ...   updates, state = tx.update(grads, state, params)
     ...   return optax.apply_updates(params, updates), state
     >>> args = (params, tx.init(params), params)
-    >>> testing.host_waits(  # doctest: +SKIP
-    ...     step, *args, donate_argnums=(0, 1)).micro_step
-    3
-    >>> testing.host_waits(  # doctest: +SKIP
-    ...     step, *args, donate_argnums=(0, 1),
-    ...     compiler_options=ga_optax.gpu_compiler_options()).micro_step
-    0
+    >>> waits = audits.host_waits(  # doctest: +SKIP
+    ...     step, *args, donate_argnums=(0, 1))
+    >>> waits.micro_step < waits.closing  # doctest: +SKIP
+    True
   """
   if not callable(fun):
     raise TypeError(
@@ -160,7 +157,7 @@ def host_waits(
   if not isinstance(compiler_options, Mapping):
     raise TypeError(
       "compiler_options must be a mapping of XLA option names to values, as"
-      " for jax.jit (say ga_optax.gpu_compiler_options()), got"
+      " for jax.jit (say gpu_compiler_options()), got"
       f" {type(compiler_options).__name__}."
     )
   if "xla_dump_to" in compiler_options:

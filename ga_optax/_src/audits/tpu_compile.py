@@ -102,7 +102,7 @@ def compile_for_tpu(
 ) -> jax.stages.Compiled:
   """Compiles ``fun(*args)`` for TPU chips this machine need not have.
 
-  The TPU counterpart of :func:`ga_optax.testing.compile_for_gpu`, with the
+  The TPU counterpart of :func:`compile_for_gpu`, with the
   same placement of ``args``: each array leaf (an array, or a
   ``jax.ShapeDtypeStruct``) becomes an abstract array on the chips, on a
   mesh like the one it is placed on.
@@ -120,7 +120,7 @@ def compile_for_tpu(
   Returns:
     The compiled program, for the audits of :mod:`ga_optax.testing`. A TPU
     program moves buffers into the chip's on-chip memory and back: read
-    copies with :attr:`ga_optax.testing.PathAudit.duplicates`.
+    copies with :attr:`PathAudit.duplicates`.
 
   Raises:
     TpuCompilerUnavailable: ``libtpu`` cannot be used here.
@@ -130,17 +130,16 @@ def compile_for_tpu(
 
   Example:
     >>> import jax.numpy as jnp, optax, ga_optax
-    >>> from ga_optax import testing
+    >>> from ga_optax._src import audits
     >>> tx = ga_optax.accumulate(optax.adam(1e-3), 4)
     >>> params = {"w": jnp.ones((1024, 1024))}
     >>> def step(params, state, grads):
     ...   updates, state = tx.update(grads, state, params)
     ...   return optax.apply_updates(params, updates), state
-    >>> compiled = testing.compile_for_tpu(  # doctest: +SKIP
+    >>> compiled = audits.compile_for_tpu(  # doctest: +SKIP
     ...     step, params, tx.init(params), params, donate_argnums=(0, 1))
-    >>> audit = testing.path_audit(compiled, "micro_step")  # doctest: +SKIP
-    >>> [copy.bytes for copy in audit.duplicates]  # doctest: +SKIP
-    [1]
+    >>> audit = audits.path_audit(compiled, "micro_step")  # doctest: +SKIP
+    >>> duplicated = [copy.bytes for copy in audit.duplicates]  # doctest: +SKIP
   """
   compile_only.check_compiler_options(compiler_options)
   devices = tpu_devices(num_devices, target=target)

@@ -101,10 +101,9 @@ def micro_step_bytes(
   state kept in host memory (``accumulator_memory_kind``,
   ``inner_state_memory_kind``) does not count, the device copy a micro-step
   makes of it to compute on does. The micro-step is compiled for ``device``
-  when one is given: a compile-only TPU chip or GPU
-  (:func:`ga_optax.testing.tpu_devices`,
-  :func:`ga_optax.testing.gpu_devices`) gives the bytes the program of that
-  platform needs, from a machine without one.
+  when one is given: a compile-only TPU chip or GPU (one of
+  ``jax.experimental.topologies.get_topology_desc(...).devices``) gives the
+  bytes the program of that platform needs, from a machine without one.
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a scalar (or
@@ -156,7 +155,7 @@ def micro_step_bytes(
   if device is not None and not isinstance(device, jax.Device):
     raise TypeError(
       "device must be None or a jax.Device (a compile-only TPU chip from"
-      " ga_optax.testing.tpu_devices(), say), got"
+      " jax.experimental.topologies.get_topology_desc(...).devices), got"
       f" {type(device).__name__}."
     )
   abstract_params = residency.abstract_in(_abstract(params), None, device)

@@ -14,6 +14,10 @@ and jaxlib 0.11.2, 2026-11-28: windows closed on the wrong call, and with
 only WHILE captured the parameters drifted from XLA's defaults' by 5e-3):
 the function warns. A training loop written in Python has no loop to
 capture: ``update(..., closing=...)``.
+
+That is why it is private: nothing public may give wrong numbers. It stays
+for ``benchmarks/recipe_check.py``, which checks it again on a GPU, and the
+tests that read what it asks XLA:GPU for.
 """
 
 from __future__ import annotations
@@ -95,24 +99,25 @@ def gpu_compiler_options(*, collectives: bool = True) -> dict[str, str]:
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, ga_optax
+    >>> from ga_optax._src.recipes.gpu_recipe import gpu_compiler_options
     >>> tx = ga_optax.accumulate(optax.adam(1e-3), 4)
     >>> def step(params, state, grads):
     ...   updates, state = tx.update(grads, state, params)
     ...   return optax.apply_updates(params, updates), state
     >>> train_step = jax.jit(
     ...     step, donate_argnums=(0, 1),
-    ...     compiler_options=ga_optax.gpu_compiler_options())
+    ...     compiler_options=gpu_compiler_options())
     >>> params = {"w": jnp.ones((4, 4))}
     >>> grads = {"w": jnp.full((4, 4), 0.5)}
     >>> params, state = train_step(params, tx.init(params), grads)
-    >>> options = ga_optax.gpu_compiler_options()
+    >>> options = gpu_compiler_options()
     >>> "WHILE" in options["xla_gpu_enable_command_buffer"]
     True
   """
   if not isinstance(collectives, bool):
     raise TypeError(f"collectives must be True or False, got {collectives!r}.")
   warnings.warn(
-    "ga_optax.gpu_compiler_options() captures the window's loops in CUDA"
+    "gpu_compiler_options() captures the window's loops in CUDA"
     " graphs, which gave wrong numbers on an NVIDIA H200 with jax 0.11.2"
     " (windows closed on the wrong call). Prefer update(..., closing=...)"
     " from a Python loop (no loop to capture), or XLA's defaults; use these"

@@ -31,6 +31,7 @@ PUBLIC_MODULES = (
   "ga_optax.batch_size",
   "ga_optax.mixed_precision",
   "ga_optax.planning",
+  "ga_optax.privacy",
 )
 
 PLANNING = (

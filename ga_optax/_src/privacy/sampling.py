@@ -60,7 +60,7 @@ def poisson_windows(
     windows: the number of draws.
 
   Yields:
-    :class:`MicroBatch` es, draw after draw.
+    Each draw's :class:`MicroBatch` values, draw after draw.
 
   Raises:
     ValueError: a size below 1 or a probability outside (0, 1].
@@ -70,8 +70,10 @@ def poisson_windows(
     >>> batches = ga_optax.privacy.poisson_windows(
     ...     np.random.default_rng(2), 10, sampling_probability=0.5,
     ...     micro_batch_size=4, windows=1)
-    >>> [(int(b.mask.sum()), b.closing) for b in batches]
-    [(4, False), (2, True)]
+    >>> for batch in batches:
+    ...   print(int(batch.mask.sum()), batch.closing)
+    4 False
+    2 True
   """
   _check_count("dataset_size", dataset_size)
   _check_count("micro_batch_size", micro_batch_size)

@@ -100,10 +100,15 @@ def accumulate(
     normalize_by: > 0, the public divisor of the noisy sum: the expected
       logical batch size (the sampling probability times the dataset size).
     key: a JAX random key (``jax.random.key`` or ``jax.random.PRNGKey``).
-    accumulator_dtype, axis_name, unreduced_axes, accumulator_memory_kind,
-      inner_state_memory_kind, inner_state_axes: as for
-      :func:`ga_optax.accumulate`. On several devices the window reduces
-      once before the noise is drawn: one draw per window, not per device.
+    accumulator_dtype: as for :func:`ga_optax.accumulate`.
+    axis_name: as for :func:`ga_optax.accumulate`; on several devices the
+      window reduces once before the noise is drawn: one draw per window,
+      not per device.
+    unreduced_axes: as for :func:`ga_optax.accumulate`, likewise.
+    accumulator_memory_kind: as for :func:`ga_optax.accumulate`.
+    inner_state_memory_kind: as for :func:`ga_optax.accumulate`.
+    inner_state_axes: as for :func:`ga_optax.accumulate` (ZeRO-1); each
+      shard draws the noise an unsharded state would.
     **refused: ``reduction``, ``noise_scale_decay``, ``skip_nonfinite`` and
       ``lr_scaling`` are refused, each with its reason.
 

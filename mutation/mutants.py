@@ -1758,4 +1758,22 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_tpu_program.py::test_the_audit_tells_memory_space_moves_from_duplicates",
     ),
   ),
+  Mutant(
+    name="weightless_window_stepped_on_its_zeros",
+    guarantee="reverse mode (the host's schedule, a window without weight)",
+    defect="jax.grad through a window the host closes without weight is NaN"
+    " (Adam's step on a zero gradient, selected away: 0 * inf) where the"
+    " device's schedule gives 0",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "      lambda leaf: leaf * keep.astype(leaf.dtype)\n"
+        "      - (keep - 1).astype(leaf.dtype),\n",
+        "      lambda leaf: leaf,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_schedule.py::test_a_window_without_weight_has_the_large_batch_derivative",
+    ),
+  ),
 )

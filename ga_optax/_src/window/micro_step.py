@@ -374,7 +374,11 @@ class ClosingSide:
     # A state kept in host memory visits the device here, and only here.
     inner_state = residency.to_device(carry.inner_state)
     updates, new_inner_state = window.parallel.inner_update(
-      window.inner, reduced, inner_state, params, micro_step.extra_args
+      window.inner,
+      micro_step.schedule.stepped_on(weights.has_weight(total_weight), reduced),
+      inner_state,
+      params,
+      micro_step.extra_args,
     )
     updates = window.lr_scaling.apply(
       updates, decision.every_k, window.window_length.first()

@@ -71,6 +71,14 @@ class DeviceScheduled:
     """A branch of the closing work: ``body(carry)`` where ``predicate``."""
     return run_once.run_once_if(predicate, body, carry, name=name)
 
+  def stepped_on(self, has_weight: jax.Array, gradient: Any) -> Any:
+    """The gradient the wrapped optimizer steps on: the window's own.
+
+    The step runs only where the window has weight.
+    """
+    del has_weight
+    return gradient
+
   @property
   def carries_buffers(self) -> bool:
     """Whether the closing side may write its output into a carried buffer."""
@@ -120,6 +128,26 @@ class HostScheduled:
       taken = body(carry)
     return jax.tree.map(
       lambda new, old: residency.where(predicate, new, old), taken, carry
+    )
+
+  def stepped_on(self, has_weight: jax.Array, gradient: Any) -> Any:
+    """The window's gradient where it has weight, else ones.
+
+    A window without weight is stepped too, then selected away
+    (:meth:`branch`), and the select's derivative is 0 times the step's.
+    On a zero gradient the step's derivative may be infinite (Adam's
+    square root of a second moment at 0), and ``0 * inf`` is NaN: stepped
+    on ones it is finite. Two scalar operations per element, ``g * 1 - 0``
+    where the window has weight (bit for bit ``g``, -0 included) and
+    ``g * 0 + 1`` where it has none, which fuse into the optimizer's own
+    pass over the gradient: no select, no byte moved.
+    """
+    keep = has_weight.astype(jnp.float32)
+    return jax.tree.map(
+      lambda leaf: (
+        leaf * keep.astype(leaf.dtype) - (keep - 1).astype(leaf.dtype)
+      ),
+      gradient,
     )
 
   @property

@@ -1776,4 +1776,21 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_host_schedule.py::test_a_window_without_weight_has_the_large_batch_derivative",
     ),
   ),
+  Mutant(
+    name="host_accumulator_under_a_mesh_not_refused",
+    guarantee="reverse mode (host memory where JAX cannot differentiate it)",
+    defect="jax.grad through an accumulator in host memory under"
+    " jax.set_mesh fails inside JAX before 0.12 (a cotangent in host"
+    " memory) instead of naming the argument to leave at None",
+    edits=(
+      Edit(
+        ARGUMENTS,
+        "    refused_under_a_mesh=not residency.MESH_DIFFERENTIATES_HOST_STATE,\n",
+        "    refused_under_a_mesh=False,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_reverse_mode.py::test_an_accumulator_in_host_memory_under_a_mesh",
+    ),
+  ),
 )

@@ -1793,4 +1793,37 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_reverse_mode.py::test_an_accumulator_in_host_memory_under_a_mesh",
     ),
   ),
+  Mutant(
+    name="weight_rule_without_its_select_in_forward_mode",
+    guarantee="forward mode (a micro-batch weight of exactly 0)",
+    defect="jax.jacfwd through a window holding an all-padding micro-batch"
+    " at weight 0 is NaN: the weight's derivative multiplies its NaN term"
+    " without the select at weight 0",
+    edits=(
+      Edit(
+        WEIGHTS,
+        "  through_weight = weight_dot * jnp.where(weight == 0, _finite(term), term)\n",
+        "  through_weight = weight_dot * term\n",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_forward_mode_through_a_dropped_nan_micro_batch_is_finite",
+    ),
+  ),
+  Mutant(
+    name="weight_rule_term_derivative_without_its_select",
+    guarantee="forward mode (a micro-batch weight of exactly 0)",
+    defect="the derivative through a dropped micro-batch's term is 0 times"
+    " its NaN tangent, not 0",
+    edits=(
+      Edit(
+        WEIGHTS,
+        "  through_term = jnp.where(weight == 0, zeros, weight * term_dot)\n",
+        "  through_term = weight * term_dot\n",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_forward_mode_through_a_dropped_nan_micro_batch_is_finite",
+    ),
+  ),
 )

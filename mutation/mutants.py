@@ -1826,4 +1826,58 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_weights.py::test_forward_mode_through_a_dropped_nan_micro_batch_is_finite",
     ),
   ),
+  Mutant(
+    name="scalar_accumulator_never_cleared",
+    guarantee="equivalence (every close leaves the accumulator at zero)",
+    defect="a scalar parameter's accumulator is left as it is at the"
+    " close: the next window adds onto the last one's sum",
+    edits=(
+      Edit(
+        LOCAL,
+        "  if not leaf.ndim:  # a scalar: nothing worth sharing or copying\n"
+        "    return jnp.zeros_like(leaf)\n",
+        "  if not leaf.ndim:  # a scalar: nothing worth sharing or copying\n"
+        "    return leaf\n",
+      ),
+    ),
+    tests=(
+      "tests/test_accumulate.py::test_a_scalar_parameters_accumulator_is_cleared_at_each_close",
+    ),
+  ),
+  Mutant(
+    name="weight_sum_carried_after_a_weightless_window",
+    guarantee="equivalence (weights: a window without weight)",
+    defect="a window closed without a step (its weights summing to 0 or"
+    " less) leaves its weight sum to the next window",
+    edits=(
+      Edit(
+        MICRO_STEP,
+        "    weight_sum=jnp.where(\n      decision.closes,\n",
+        "    weight_sum=jnp.where(\n      closed.stepped,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_a_window_without_weight_leaves_nothing_to_the_next",
+    ),
+  ),
+  Mutant(
+    name="host_schedule_keeps_a_weightless_windows_sums",
+    guarantee="the host's schedule (a window without weight)",
+    defect="a window the host closes without weight leaves its gradient"
+    " sums in the accumulator for the next window",
+    edits=(
+      Edit(
+        MICRO_STEP,
+        "    if micro_step.carrier is not Carrier.ACCUMULATOR:\n"
+        "      # A window without weight",
+        "    if micro_step.carrier is not Carrier.ACCUMULATOR and isinstance(\n"
+        "      schedule, schedule_lib.DeviceScheduled\n"
+        "    ):\n"
+        "      # A window without weight",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_a_window_without_weight_leaves_nothing_to_the_next",
+    ),
+  ),
 )

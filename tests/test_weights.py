@@ -334,3 +334,39 @@ def test_forward_mode_through_a_dropped_nan_micro_batch_is_finite():
   np.testing.assert_allclose(
     by_params, expected_by_params, rtol=1e-5, atol=1e-6
   )
+
+
+# A window whose traced weights sum to below 0 closes without a step, and
+# leaves the next window nothing: neither its weight sum nor its gradient
+# sums (which are not zero: g_1 - 3 g_2).
+
+CARRIED_GRADS = np.asarray(
+  [[1.0, -2.0, 0.5], [0.25, 1.0, -1.5], [3.0, 0.5, 2.0], [-1.0, 4.0, 0.5]],
+  np.float32,
+)
+CARRIED_WEIGHTS = np.asarray([1.0, -3.0, 2.0, 1.0], np.float32)
+
+
+@pytest.mark.parametrize("schedule", ["device", "host"])
+def test_a_window_without_weight_leaves_nothing_to_the_next(schedule):
+  tx = ga_optax.accumulate(optax.sgd(0.5), 2)
+  params = jnp.zeros(3)
+
+  @jax.jit
+  def two_windows(weights: jax.Array) -> list[jax.Array]:
+    state, emitted = tx.init(params), []
+    for index, grads in enumerate(CARRIED_GRADS):
+      options = {"closing": index % 2 == 1} if schedule == "host" else {}
+      updates, state = tx.update(
+        jnp.asarray(grads), state, params, weight=weights[index], **options
+      )
+      emitted.append(updates)
+    return emitted
+
+  emitted = np.asarray(two_windows(jnp.asarray(CARRIED_WEIGHTS)))
+  # NumPy: the first window (total -2) does not step; the second is the
+  # weighted mean of its own two gradients.
+  second = CARRIED_WEIGHTS[2:] @ CARRIED_GRADS[2:] / CARRIED_WEIGHTS[2:].sum()
+  expected = np.stack([np.zeros(3), np.zeros(3), np.zeros(3), -0.5 * second])
+  assert np.all(np.isfinite(emitted))
+  np.testing.assert_allclose(emitted, expected, rtol=1e-6, atol=1e-7)

@@ -76,6 +76,7 @@ LOCAL = "ga_optax/_src/placements/local.py"
 RESIDENCY = "ga_optax/_src/placements/residency.py"
 BATCH_LAYOUT = "ga_optax/_src/scan/batch_layout.py"
 PARTS = "ga_optax/_src/algebra/parts.py"
+TPU_COMPILE = "ga_optax/_src/audits/tpu_compile.py"
 
 MUTANTS: tuple[Mutant, ...] = (
   # Equivalence with the large batch.
@@ -1878,6 +1879,22 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_weights.py::test_a_window_without_weight_leaves_nothing_to_the_next",
+    ),
+  ),
+  Mutant(
+    name="one_chip_v4_slice_without_its_host_bounds",
+    guarantee="the audits compile for TPUs (every documented slice)",
+    defect="the one-chip v4 slice (two devices) is described without one"
+    " chip per host, which libtpu refuses",
+    edits=(
+      Edit(
+        TPU_COMPILE,
+        '  one_chip = set(name.split(":")[1].split("x")) == {"1"}\n',
+        "  one_chip = num_devices == 1\n",
+      ),
+    ),
+    tests=(
+      "tests/test_tpu_program.py::test_the_one_chip_v4_slice_compiles_a_window",
     ),
   ),
 )

@@ -1897,4 +1897,75 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_tpu_program.py::test_the_one_chip_v4_slice_compiles_a_window",
     ),
   ),
+  Mutant(
+    name="asynchronous_duplicate_read_as_a_move",
+    guarantee="the audits read compiled programs (copies)",
+    defect="an asynchronous copy within device memory is taken for a move"
+    " between memory spaces, and left out of the duplicates",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "    return len(spaces) >= 2 and spaces[0] != spaces[1]\n",
+        "    return len(spaces) >= 2\n",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
+    ),
+  ),
+  Mutant(
+    name="empty_window_counted_on_the_closing_path",
+    guarantee="the audits read compiled programs (paths)",
+    defect="the branch that empties a window closed without weight is"
+    " counted on the closing path, which steps the optimizer",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "  if side == scopes.EMPTY_WINDOW:\n    return False\n",
+        '  if side == scopes.EMPTY_WINDOW:\n    return path == "closing"\n',
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
+    ),
+  ),
+  Mutant(
+    name="computation_called_twice_counted_once",
+    guarantee="the audits read compiled programs (bytes moved)",
+    defect="a computation reached from two call sites is walked once, its"
+    " bytes counted once",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "  misplaced: list[str] = []\n",
+        "  misplaced: list[str] = []\n  walked: set[str] = set()\n",
+      ),
+      Edit(
+        COMPILED_PATHS,
+        "    instructions = module.computations.get(computation, [])\n",
+        "    if computation in walked:\n"
+        "      return\n"
+        "    walked.add(computation)\n"
+        "    instructions = module.computations.get(computation, [])\n",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
+    ),
+  ),
+  Mutant(
+    name="copied_bytes_leaves_out_a_copy_of_exactly_at_least",
+    guarantee="the audits read compiled programs (copies)",
+    defect="copied_bytes(at_least=n) leaves out a copy of exactly n bytes",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "    return sum(copy.bytes for copy in self.copies if copy.bytes >= at_least)\n",
+        "    return sum(copy.bytes for copy in self.copies if copy.bytes > at_least)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
+    ),
+  ),
 )

@@ -140,7 +140,11 @@ class HostScheduled:
     on ones it is finite. Two scalar operations per element, ``g * 1 - 0``
     where the window has weight (bit for bit ``g``, -0 included) and
     ``g * 0 + 1`` where it has none, which fuse into the optimizer's own
-    pass over the gradient: no select, no byte moved.
+    pass over the gradient: no select, no byte moved. (That pass also
+    holds the window's last add; XLA:CPU may round it as a fused
+    multiply-add or not depending on what else the pass holds, so a
+    program compiled without these operations may differ from this one
+    in the last bit of a few elements.)
     """
     keep = has_weight.astype(jnp.float32)
     return jax.tree.map(

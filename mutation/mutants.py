@@ -1719,7 +1719,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         RESIDENCY,
-        "    if self.kind is not None and self.refused_in_reverse_mode is not None:\n",
+        "    if self.kind is not None and refused is not None:\n",
         "    if False:\n",
       ),
     ),
@@ -1768,9 +1768,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         SCHEDULE,
-        "      lambda leaf: leaf * keep.astype(leaf.dtype)\n"
-        "      - (keep - 1).astype(leaf.dtype),\n",
-        "      lambda leaf: leaf,\n",
+        "        leaf * keep.astype(leaf.dtype) - (keep - 1).astype(leaf.dtype)\n",
+        "        leaf\n",
       ),
     ),
     tests=(

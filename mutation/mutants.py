@@ -1763,12 +1763,12 @@ MUTANTS: tuple[Mutant, ...] = (
     name="weightless_window_stepped_on_its_zeros",
     guarantee="reverse mode (the host's schedule, a window without weight)",
     defect="jax.grad through a window the host closes without weight is NaN"
-    " (Adam's step on a zero gradient, selected away: 0 * inf) where the"
-    " device's schedule gives 0",
+    " (Adam's step on a zero gradient, selected away: 0 * inf reaches the"
+    " gradient and the state) where the device's schedule gives 0",
     edits=(
       Edit(
         SCHEDULE,
-        "        leaf * keep.astype(leaf.dtype) - (keep - 1).astype(leaf.dtype)\n",
+        "        jnp.where(has_weight, leaf, jax.lax.stop_gradient(leaf))\n",
         "        leaf\n",
       ),
     ),

@@ -71,13 +71,10 @@ class DeviceScheduled:
     """A branch of the closing work: ``body(carry)`` where ``predicate``."""
     return run_once.run_once_if(predicate, body, carry, name=name)
 
-  def stepped_on(self, has_weight: jax.Array, gradient: Any) -> Any:
-    """The gradient the wrapped optimizer steps on: the window's own.
-
-    The step runs only where the window has weight.
-    """
+  def stepped_on(self, has_weight: jax.Array, inputs: Any) -> Any:
+    """The optimizer's inputs, as they are: it runs only with weight."""
     del has_weight
-    return gradient
+    return inputs
 
   @property
   def carries_buffers(self) -> bool:
@@ -130,28 +127,27 @@ class HostScheduled:
       lambda new, old: residency.where(predicate, new, old), taken, carry
     )
 
-  def stepped_on(self, has_weight: jax.Array, gradient: Any) -> Any:
-    """The window's gradient where it has weight, else ones.
+  def stepped_on(self, has_weight: jax.Array, inputs: Any) -> Any:
+    """The optimizer's inputs, differentiated only where the window has weight.
 
     A window without weight is stepped too, then selected away
-    (:meth:`branch`), and the select's derivative is 0 times the step's.
-    On a zero gradient the step's derivative may be infinite (Adam's
-    square root of a second moment at 0), and ``0 * inf`` is NaN: stepped
-    on ones it is finite. Two scalar operations per element, ``g * 1 - 0``
-    where the window has weight (bit for bit ``g``, -0 included) and
-    ``g * 0 + 1`` where it has none, which fuse into the optimizer's own
-    pass over the gradient: no select, no byte moved. (That pass also
-    holds the window's last add; XLA:CPU may round it as a fused
-    multiply-add or not depending on what else the pass holds, so a
-    program compiled without these operations may differ from this one
-    in the last bit of a few elements.)
+    (:meth:`branch`), and the select gives the step a cotangent of 0. On a
+    zero gradient the step's own derivative may be infinite (Adam's square
+    root of a second moment at 0), and ``0 * inf`` is NaN, which would
+    reach the gradient, the weights and the optimizer's state. Each input
+    is ``where(has_weight, x, stop_gradient(x))``: the transpose of that
+    select sends 0, not the NaN, where the window has no weight. Its two
+    operands are one value, so the compiled program holds no select: the
+    forward values are bit for bit those without it, at no cost.
     """
-    keep = has_weight.astype(jnp.float32)
     return jax.tree.map(
       lambda leaf: (
-        leaf * keep.astype(leaf.dtype) - (keep - 1).astype(leaf.dtype)
+        jnp.where(has_weight, leaf, jax.lax.stop_gradient(leaf))
+        if isinstance(leaf, jax.Array)
+        and jnp.issubdtype(leaf.dtype, jnp.inexact)
+        else leaf
       ),
-      gradient,
+      inputs,
     )
 
   @property

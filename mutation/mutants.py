@@ -80,6 +80,7 @@ PRIVATE_NOISE = "ga_optax/_src/privacy/noise.py"
 PRIVATE_WINDOW = "ga_optax/_src/privacy/window.py"
 PRIVATE_CLIPPING = "ga_optax/_src/privacy/clipping.py"
 PRIVACY_TESTS = "tests/test_privacy.py"
+TPU_COMPILE = "ga_optax/_src/audits/tpu_compile.py"
 
 MUTANTS: tuple[Mutant, ...] = (
   # Equivalence with the large batch.
@@ -1722,7 +1723,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         RESIDENCY,
-        "    if self.kind is not None and self.refused_in_reverse_mode is not None:\n",
+        "    if self.kind is not None and refused is not None:\n",
         "    if False:\n",
       ),
     ),
@@ -1950,6 +1951,214 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       f"{PRIVACY_TESTS}::test_inside_a_checked_shard_map_each_device_clips_its_own_examples",
+    ),
+  ),
+  Mutant(
+    name="weightless_window_stepped_on_its_zeros",
+    guarantee="reverse mode (the host's schedule, a window without weight)",
+    defect="jax.grad through a window the host closes without weight is NaN"
+    " (Adam's step on a zero gradient, selected away: 0 * inf reaches the"
+    " gradient and the state) where the device's schedule gives 0",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "        jnp.where(has_weight, leaf, jax.lax.stop_gradient(leaf))\n",
+        "        leaf\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_schedule.py::test_a_window_without_weight_has_the_large_batch_derivative",
+    ),
+  ),
+  Mutant(
+    name="host_accumulator_under_a_mesh_not_refused",
+    guarantee="reverse mode (host memory where JAX cannot differentiate it)",
+    defect="jax.grad through an accumulator in host memory under"
+    " jax.set_mesh fails inside JAX before 0.12 (a cotangent in host"
+    " memory) instead of naming the argument to leave at None",
+    edits=(
+      Edit(
+        ARGUMENTS,
+        "    refused_under_a_mesh=not residency.MESH_DIFFERENTIATES_HOST_STATE,\n",
+        "    refused_under_a_mesh=False,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_reverse_mode.py::test_an_accumulator_in_host_memory_under_a_mesh",
+    ),
+  ),
+  Mutant(
+    name="weight_rule_without_its_select_in_forward_mode",
+    guarantee="forward mode (a micro-batch weight of exactly 0)",
+    defect="jax.jacfwd through a window holding an all-padding micro-batch"
+    " at weight 0 is NaN: the weight's derivative multiplies its NaN term"
+    " without the select at weight 0",
+    edits=(
+      Edit(
+        WEIGHTS,
+        "  through_weight = weight_dot * jnp.where(weight == 0, _finite(term), term)\n",
+        "  through_weight = weight_dot * term\n",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_forward_mode_through_a_dropped_nan_micro_batch_is_finite",
+    ),
+  ),
+  Mutant(
+    name="weight_rule_term_derivative_without_its_select",
+    guarantee="forward mode (a micro-batch weight of exactly 0)",
+    defect="the derivative through a dropped micro-batch's term is 0 times"
+    " its NaN tangent, not 0",
+    edits=(
+      Edit(
+        WEIGHTS,
+        "  through_term = jnp.where(weight == 0, zeros, weight * term_dot)\n",
+        "  through_term = weight * term_dot\n",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_forward_mode_through_a_dropped_nan_micro_batch_is_finite",
+    ),
+  ),
+  Mutant(
+    name="scalar_accumulator_never_cleared",
+    guarantee="equivalence (every close leaves the accumulator at zero)",
+    defect="a scalar parameter's accumulator is left as it is at the"
+    " close: the next window adds onto the last one's sum",
+    edits=(
+      Edit(
+        LOCAL,
+        "  if not leaf.ndim:  # a scalar: nothing worth sharing or copying\n"
+        "    return jnp.zeros_like(leaf)\n",
+        "  if not leaf.ndim:  # a scalar: nothing worth sharing or copying\n"
+        "    return leaf\n",
+      ),
+    ),
+    tests=(
+      "tests/test_accumulate.py::test_a_scalar_parameters_accumulator_is_cleared_at_each_close",
+    ),
+  ),
+  Mutant(
+    name="weight_sum_carried_after_a_weightless_window",
+    guarantee="equivalence (weights: a window without weight)",
+    defect="a window closed without a step (its weights summing to 0 or"
+    " less) leaves its weight sum to the next window",
+    edits=(
+      Edit(
+        MICRO_STEP,
+        "    weight_sum=jnp.where(\n      decision.closes,\n",
+        "    weight_sum=jnp.where(\n      closed.stepped,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_a_window_without_weight_leaves_nothing_to_the_next",
+    ),
+  ),
+  Mutant(
+    name="host_schedule_keeps_a_weightless_windows_sums",
+    guarantee="the host's schedule (a window without weight)",
+    defect="a window the host closes without weight leaves its gradient"
+    " sums in the accumulator for the next window",
+    edits=(
+      Edit(
+        MICRO_STEP,
+        "    if micro_step.carrier is not Carrier.ACCUMULATOR:\n"
+        "      # A window without weight",
+        "    if micro_step.carrier is not Carrier.ACCUMULATOR and isinstance(\n"
+        "      schedule, schedule_lib.DeviceScheduled\n"
+        "    ):\n"
+        "      # A window without weight",
+      ),
+    ),
+    tests=(
+      "tests/test_weights.py::test_a_window_without_weight_leaves_nothing_to_the_next",
+    ),
+  ),
+  Mutant(
+    name="one_chip_v4_slice_without_its_host_bounds",
+    guarantee="the audits compile for TPUs (every documented slice)",
+    defect="the one-chip v4 slice (two devices) is described without one"
+    " chip per host, which libtpu refuses",
+    edits=(
+      Edit(
+        TPU_COMPILE,
+        '  one_chip = set(name.split(":")[1].split("x")) == {"1"}\n',
+        "  one_chip = num_devices == 1\n",
+      ),
+    ),
+    tests=(
+      "tests/test_tpu_program.py::test_the_one_chip_v4_slice_compiles_a_window",
+    ),
+  ),
+  Mutant(
+    name="asynchronous_duplicate_read_as_a_move",
+    guarantee="the audits read compiled programs (copies)",
+    defect="an asynchronous copy within device memory is taken for a move"
+    " between memory spaces, and left out of the duplicates",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "    return len(spaces) >= 2 and spaces[0] != spaces[1]\n",
+        "    return len(spaces) >= 2\n",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
+    ),
+  ),
+  Mutant(
+    name="empty_window_counted_on_the_closing_path",
+    guarantee="the audits read compiled programs (paths)",
+    defect="the branch that empties a window closed without weight is"
+    " counted on the closing path, which steps the optimizer",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "  if side == scopes.EMPTY_WINDOW:\n    return False\n",
+        '  if side == scopes.EMPTY_WINDOW:\n    return path == "closing"\n',
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
+    ),
+  ),
+  Mutant(
+    name="computation_called_twice_counted_once",
+    guarantee="the audits read compiled programs (bytes moved)",
+    defect="a computation reached from two call sites is walked once, its"
+    " bytes counted once",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "  misplaced: list[str] = []\n",
+        "  misplaced: list[str] = []\n  walked: set[str] = set()\n",
+      ),
+      Edit(
+        COMPILED_PATHS,
+        "    instructions = module.computations.get(computation, [])\n",
+        "    if computation in walked:\n"
+        "      return\n"
+        "    walked.add(computation)\n"
+        "    instructions = module.computations.get(computation, [])\n",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
+    ),
+  ),
+  Mutant(
+    name="copied_bytes_leaves_out_a_copy_of_exactly_at_least",
+    guarantee="the audits read compiled programs (copies)",
+    defect="copied_bytes(at_least=n) leaves out a copy of exactly n bytes",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        "    return sum(copy.bytes for copy in self.copies if copy.bytes >= at_least)\n",
+        "    return sum(copy.bytes for copy in self.copies if copy.bytes > at_least)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
     ),
   ),
 )

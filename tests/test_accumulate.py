@@ -392,3 +392,40 @@ def test_updates_have_the_inner_updates_dtype_on_every_micro_step():
     updates, state = tx.update(params, state, params)
     assert updates["w"].dtype == jnp.bfloat16
   np.testing.assert_array_less(np.asarray(updates["w"], np.float32), 0.0)
+
+
+# A scalar parameter's accumulator is cleared at every close as a
+# parameter-sized one is (its zeros are made apart from the others').
+
+SCALAR_GRADS = [
+  {"w": np.asarray([1.0, -2.0], np.float32), "s": np.float32(step + 1.5)}
+  for step in range(4)
+]
+
+
+@pytest.mark.parametrize("schedule", ["device", "host"])
+def test_a_scalar_parameters_accumulator_is_cleared_at_each_close(schedule):
+  tx = ga_optax.accumulate(optax.sgd(0.5), 2)
+  params = {"w": jnp.zeros(2), "s": jnp.zeros(())}
+
+  @jax.jit
+  def two_windows(params):
+    state = tx.init(params)
+    for index, grads in enumerate(SCALAR_GRADS):
+      options = {"closing": index % 2 == 1} if schedule == "host" else {}
+      updates, state = tx.update(grads, state, params, **options)
+      params = optax.apply_updates(params, updates)
+    return params
+
+  final = two_windows(params)
+  # NumPy: SGD on each window's mean gradient, from zeros.
+  expected = {"w": np.zeros(2), "s": 0.0}
+  for window in (SCALAR_GRADS[:2], SCALAR_GRADS[2:]):
+    for name in expected:
+      expected[name] = expected[name] - 0.5 * np.mean(
+        [grads[name] for grads in window], axis=0
+      )
+  assert expected["s"] == -0.5 * (2.0 + 4.0)
+  chex.assert_tree_all_finite(final)
+  np.testing.assert_allclose(final["w"], expected["w"], rtol=1e-6)
+  np.testing.assert_allclose(final["s"], expected["s"], rtol=1e-6)

@@ -529,3 +529,74 @@ def test_path_audit_refuses_a_step_without_a_window():
   )
   assert micro_step == closing._replace(path="micro_step")
   assert micro_step.bytes_moved >= 3 * params.nbytes
+
+
+# The path audit's counting, on one hand-written module: a branch that
+# empties a window closed without weight (run on neither path), one
+# computation called from two call sites (run twice), an asynchronous copy
+# within device memory (a duplicate, not a move), and a plain copy of 512
+# bytes.
+COUNTING_TEXT = """\
+HloModule jit_step, is_scheduled=true
+
+%side_cond (c: (pred[], f32[8])) -> pred[] {
+  %c = (pred[], f32[8]{0}) parameter(0)
+  ROOT %go = pred[] get-tuple-element(%c), index=0
+}
+
+%side_body (b: (pred[], f32[8])) -> (pred[], f32[8]) {
+  ROOT %b = (pred[], f32[8]{0}) parameter(0)
+}
+
+%empty_cond (ec: (pred[], f32[256])) -> pred[] {
+  %ec = (pred[], f32[256]{0}) parameter(0)
+  ROOT %ego = pred[] get-tuple-element(%ec), index=0
+}
+
+%empty_body (eb: (pred[], f32[256])) -> (pred[], f32[256]) {
+  %eb = (pred[], f32[256]{0}) parameter(0)
+  %flag = pred[] get-tuple-element(%eb), index=0
+  %sums = f32[256]{0} get-tuple-element(%eb), index=1
+  %zeros = f32[256]{0} multiply(%sums, %sums)
+  ROOT %emptied = (pred[], f32[256]{0}) tuple(%flag, %zeros)
+}
+
+%twice (x: f32[64]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  ROOT %y = f32[64]{0} add(%x, %x)
+}
+
+ENTRY %main (p: f32[256], q: (pred[], f32[8]), r: (pred[], f32[256]), s: f32[64], t: f32[128]) -> (f32[64], f32[64], f32[256], f32[128]) {
+  %p = f32[256]{0} parameter(0)
+  %q = (pred[], f32[8]{0}) parameter(1)
+  %r = (pred[], f32[256]{0}) parameter(2)
+  %s = f32[64]{0} parameter(3)
+  %t = f32[128]{0} parameter(4)
+  %opened = (pred[], f32[8]{0}) while(%q), condition=%side_cond, body=%side_body, metadata={op_name="jit(step)/ga_optax_keep_open/while"}
+  %empty = (pred[], f32[256]{0}) while(%r), condition=%empty_cond, body=%empty_body, metadata={op_name="jit(step)/ga_optax_empty_window/while"}
+  %once = f32[64]{0} call(%s), to_apply=%twice
+  %again = f32[64]{0} call(%s), to_apply=%twice
+  %copy-start = (f32[256]{0}, f32[256]{0}, u32[]) copy-start(%p)
+  %copy-done = f32[256]{0} copy-done(%copy-start)
+  %copy = f32[128]{0} copy(%t)
+  ROOT %out = (f32[64]{0}, f32[64]{0}, f32[256]{0}, f32[128]{0}) tuple(%once, %again, %copy-done, %copy)
+}
+"""
+
+
+@pytest.mark.parametrize("path", ["micro_step", "closing"])
+def test_path_audit_counts_each_call_and_no_empty_window(path):
+  audit = testing.path_audit(COUNTING_TEXT, path)
+  # By hand: each call's add reads 2 x 256 bytes and writes 256; the
+  # asynchronous copy reads and writes 1 KiB; the copy 512 bytes each way.
+  # The empty window's multiply (3 KiB) runs on neither path.
+  assert audit.bytes_moved == 2 * 768 + 2 * 1024 + 2 * 512
+  duplicates = [testing.Copy("main", "copy-start", 1024, False)]
+  duplicates.append(testing.Copy("main", "copy", 512, False))
+  assert audit.copies == duplicates
+  # Both in device memory: duplicates, not moves between memory spaces.
+  assert audit.duplicates == duplicates
+  # A copy of exactly at_least bytes counts.
+  assert audit.copied_bytes(at_least=512) == 1024 + 512
+  assert audit.copied_bytes(at_least=1024) == 1024
+  assert audit.copied_bytes(at_least=1025) == 0

@@ -479,3 +479,90 @@ def test_a_loss_scale_drops_the_window_of_an_overflow_as_the_host_closes_it(
   assert int(ga_optax.applied_updates(state)) == 4
   kept = [window for index, window in enumerate(windows) if index != 1]
   assert_close_and_finite(params, large_batch(optimizer, kept))
+
+
+# A window without weight, differentiated: the closing program steps the
+# optimizer and selects the step away, and the select's derivative is 0
+# times the step's. On a zero gradient Adam's is infinite (the square root
+# of a second moment at 0), and 0 * inf was NaN where the device's schedule,
+# which does not run the step, gives 0.
+
+WEIGHTLESS = {
+  "zeros": [0.0, 0.0, 0.0],  # weights learnt from 0, all still at 0
+  "cancelling": [1.0, -1.0, 0.0],  # traced, so a negative one subtracts
+  "weighted": [0.0, 0.5, 1.5],  # the reference's check: a step
+}
+
+
+def weighted_large_batch(
+  weights: jax.Array, params: Any, batches: list[Any], reduction: str
+) -> jax.Array:
+  """The loss after one bare Adam step of the weighted batch, if it has weight.
+
+  The independent reference: ``jax.grad`` of the micro-batches' weighted
+  loss, normalised by the total weight for a mean, and no step where the
+  total is not positive (``lax.cond``: the untaken step has no derivative).
+  """
+  adam = optax.adam(0.1)
+
+  def weighted_loss(params: Any) -> jax.Array:
+    return sum(
+      weight * loss_fn(params, batch)
+      for weight, batch in zip(weights, batches, strict=True)
+    )
+
+  total = jnp.sum(weights)
+
+  def step(params: Any) -> Any:
+    grads = jax.grad(weighted_loss)(params)
+    if reduction == "mean":
+      grads = jax.tree.map(lambda grad: grad / total, grads)
+    updates, _ = adam.update(grads, adam.init(params), params)
+    return optax.apply_updates(params, updates)
+
+  stepped = jax.lax.cond(total > 0, step, lambda params: params, params)
+  return loss_fn(stepped, whole(batches))
+
+
+def whole(batches: list[Any]) -> Any:
+  return jax.tree.map(lambda *rows: jnp.concatenate(rows), *batches)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("path", ["accumulate", "accumulate_and_apply"])
+def test_a_window_without_weight_has_the_large_batch_derivative(
+  path, reduction
+):
+  batches = micro_batches([3, 2, 4], seed=7)
+  k = len(batches)
+
+  def after_window(weights: jax.Array, params: Any) -> jax.Array:
+    tx = getattr(ga_optax, path)(optax.adam(0.1), k, reduction=reduction)
+    state, start = tx.init(params), params
+    for index, batch in enumerate(batches):
+      grads = jax.grad(loss_fn)(start, batch)
+      options = {"weight": weights[index], "closing": index == k - 1}
+      if path == "accumulate":
+        updates, state = tx.update(grads, state, params, **options)
+        params = optax.apply_updates(params, updates)
+      else:
+        params, state = tx.apply(params, grads, state, **options)
+    return loss_fn(params, whole(batches))
+
+  derivative = jax.jit(jax.grad(after_window, argnums=(0, 1)))
+  expected = jax.jit(
+    jax.grad(
+      functools.partial(
+        weighted_large_batch, batches=batches, reduction=reduction
+      ),
+      argnums=(0, 1),
+    )
+  )
+  for name, weights in WEIGHTLESS.items():
+    weights = jnp.asarray(weights, jnp.float32)
+    actual = derivative(weights, init_params())
+    reference = expected(weights, init_params())
+    if name != "weighted":
+      np.testing.assert_array_equal(reference[0], np.zeros(k))
+    chex.assert_tree_all_finite(actual)
+    chex.assert_trees_all_close(actual, reference, rtol=2e-5, atol=1e-6)

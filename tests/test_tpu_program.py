@@ -427,6 +427,27 @@ def test_the_planner_compiles_for_a_tpu_chip():
   assert on_the_chip == by_hand != on_the_cpu
 
 
+def test_the_one_chip_v4_slice_compiles_a_window():
+  """A v4 chip is two devices to JAX: its one-chip slice, as documented."""
+  devices = testing.tpu_devices(2, target="v4")
+  assert len(devices) == 2
+  tx = ga_optax.accumulate(optax.adam(1e-3), 2)
+  params = mlp_params(1)
+  program = testing.compile_for_tpu(
+    train_step(tx),
+    params,
+    tx.init(params),
+    jnp.zeros((8, WIDTH)),
+    num_devices=2,
+    target="v4",
+    donate_argnums=(0, 1),
+  )
+  micro = testing.path_audit(program, "micro_step")
+  # The micro-step reads the parameter at least, and holds no closing work.
+  assert micro.bytes_moved >= WIDTH * WIDTH * 4
+  assert micro.misplaced_closing_work == []
+
+
 def test_a_bad_slice_is_named():
   with pytest.raises(ValueError, match="num_devices"):
     audits.tpu_devices(3)

@@ -268,3 +268,105 @@ def test_a_concrete_negative_weight_is_refused_in_both_paths():
     ValueError, match="weight_fn's weight must be finite and >= 0"
   ):
     value_and_grad(params, batch)
+
+
+# Forward mode: jax.jacfwd through a window whose middle micro-batch is all
+# padding (a NaN gradient) at weight 0. The weight rule's derivative selects
+# at weight 0: the dropped micro-batch's term (NaN) enters neither the
+# derivative with respect to the weights nor the one with respect to the
+# params, as it enters no sum.
+
+
+def _numpy_mean_and_derivatives(
+  params: Any, batches: list[Any], weights: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+  """The weighted mean gradient's derivatives, the NaN micro-batch left out.
+
+  With respect to weight j: ``(g_j - mean) / W``; with respect to the params
+  (w, b): ``sum_i w_i H_i / W``, each ``H_i`` the mean squared error's
+  Hessian ``2 [X 1]^T [X 1] / rows``.
+  """
+  total = weights.sum()
+  gradients, hessians = [], []
+  for weight, batch in zip(weights, batches, strict=True):
+    design = np.concatenate([batch["x"], np.ones((ROWS, 1))], axis=1)
+    if weight == 0:
+      gradients.append(np.zeros(4))
+      hessians.append(np.zeros((4, 4)))
+      continue
+    gradients.append(_numpy_gradient(params, batch))
+    hessians.append(2 * design.T @ design / ROWS)
+  mean = sum(w * g for w, g in zip(weights, gradients, strict=True)) / total
+  by_weight = np.stack([(g - mean) / total for g in gradients], axis=1)
+  by_params = sum(w * h for w, h in zip(weights, hessians, strict=True)) / total
+  return by_weight, by_params
+
+
+def test_forward_mode_through_a_dropped_nan_micro_batch_is_finite():
+  batches = _micro_batches([2.0, 0.0, 3.0], nan_at=1)
+  # Its rows are NaN too: its gradient's derivative is NaN, as a 0 / 0
+  # mean's is.
+  batches[1]["x"][:] = np.nan
+  weights = np.asarray([2.0, 0.0, 3.0], np.float32)
+  params = {"w": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray(0.2)}
+  tx = ga_optax.accumulate(optax.sgd(1.0), len(batches))
+
+  def mean_gradient(weights: jax.Array, params: Any) -> jax.Array:
+    state = tx.init(params)
+    for index, batch in enumerate(batches):
+      grads = jax.grad(_mean_loss)(params, batch)
+      updates, state = tx.update(grads, state, params, weight=weights[index])
+    return -jnp.concatenate([jnp.ravel(updates["w"]), jnp.ravel(updates["b"])])
+
+  by_weight, by_params = jax.jit(jax.jacfwd(mean_gradient, argnums=(0, 1)))(
+    jnp.asarray(weights), params
+  )
+  by_params = np.concatenate(
+    [np.asarray(by_params["w"]), np.asarray(by_params["b"])[:, None]], axis=1
+  )
+  expected_by_weight, expected_by_params = _numpy_mean_and_derivatives(
+    params, batches, weights
+  )
+  assert np.all(np.isfinite(by_weight)) and np.all(np.isfinite(by_params))
+  np.testing.assert_allclose(
+    by_weight, expected_by_weight, rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    by_params, expected_by_params, rtol=1e-5, atol=1e-6
+  )
+
+
+# A window whose traced weights sum to below 0 closes without a step, and
+# leaves the next window nothing: neither its weight sum nor its gradient
+# sums (which are not zero: g_1 - 3 g_2).
+
+CARRIED_GRADS = np.asarray(
+  [[1.0, -2.0, 0.5], [0.25, 1.0, -1.5], [3.0, 0.5, 2.0], [-1.0, 4.0, 0.5]],
+  np.float32,
+)
+CARRIED_WEIGHTS = np.asarray([1.0, -3.0, 2.0, 1.0], np.float32)
+
+
+@pytest.mark.parametrize("schedule", ["device", "host"])
+def test_a_window_without_weight_leaves_nothing_to_the_next(schedule):
+  tx = ga_optax.accumulate(optax.sgd(0.5), 2)
+  params = jnp.zeros(3)
+
+  @jax.jit
+  def two_windows(weights: jax.Array) -> list[jax.Array]:
+    state, emitted = tx.init(params), []
+    for index, grads in enumerate(CARRIED_GRADS):
+      options = {"closing": index % 2 == 1} if schedule == "host" else {}
+      updates, state = tx.update(
+        jnp.asarray(grads), state, params, weight=weights[index], **options
+      )
+      emitted.append(updates)
+    return emitted
+
+  emitted = np.asarray(two_windows(jnp.asarray(CARRIED_WEIGHTS)))
+  # NumPy: the first window (total -2) does not step; the second is the
+  # weighted mean of its own two gradients.
+  second = CARRIED_WEIGHTS[2:] @ CARRIED_GRADS[2:] / CARRIED_WEIGHTS[2:].sum()
+  expected = np.stack([np.zeros(3), np.zeros(3), np.zeros(3), -0.5 * second])
+  assert np.all(np.isfinite(emitted))
+  np.testing.assert_allclose(emitted, expected, rtol=1e-6, atol=1e-7)

@@ -16,6 +16,7 @@ devices JAX lists: ``"v5e"``, ``"v6e"`` and ``"v5p"`` (1, 4 or 8 chips) and
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -83,6 +84,13 @@ def tpu_devices(num_devices: int = 1, *, target: str = "v5e") -> list[Any]:
       platform="tpu", topology_name=name, **bounds
     )
   except (NotImplementedError, RuntimeError, ValueError) as error:
+    if importlib.util.find_spec("libtpu") is not None:
+      raise TpuCompilerUnavailable(
+        f"libtpu is installed but did not describe the {target} slice of"
+        f" {num_devices} devices (topology {name!r}"
+        f"{', one chip per host' if one_chip else ''}):"
+        f" {type(error).__name__}: {error}"
+      ) from error
     raise TpuCompilerUnavailable(
       "The TPU compiler is not available: install libtpu for the installed"
       f' jax (pip install "jax[tpu]=={jax.__version__}"; no TPU needed) and'

@@ -80,12 +80,16 @@ class Residency:
     refused_in_reverse_mode: the placement under which a step that is
       differentiated cannot keep the arrays in ``kind`` (``"jax.shard_map
       (axis_name)"``, say), or None where it can.
+    refused_under_a_mesh: whether such a step is refused, too, where a
+      mesh is set (``jax.set_mesh``) on a JAX that cannot differentiate it
+      there (:data:`MESH_DIFFERENTIATES_HOST_STATE`).
   """
 
   kind: str | None
   field: str
   argument: str
   refused_in_reverse_mode: str | None = None
+  refused_under_a_mesh: bool = False
 
   @property
   def home(self) -> str:
@@ -104,8 +108,11 @@ class Residency:
         ``jax.grad`` traces it, where ``tree`` depends on what is
         differentiated).
     """
-    if self.kind is not None and self.refused_in_reverse_mode is not None:
-      refusal = self._reverse_mode_refusal()
+    refused = self.refused_in_reverse_mode
+    if refused is None and self.refused_under_a_mesh and _mesh_is_set():
+      refused = f"jax.set_mesh on JAX {jax.__version__}"
+    if self.kind is not None and refused is not None:
+      refusal = self._reverse_mode_refusal(refused)
       tree = jax.tree.map(
         lambda leaf: (
           _not_differentiated(leaf, refusal)
@@ -116,10 +123,10 @@ class Residency:
       )
     return put(tree, self.kind, unplaced=unplaced)
 
-  def _reverse_mode_refusal(self) -> str:
+  def _reverse_mode_refusal(self, refused: str) -> str:
     return (
       f"jax.grad through a step that keeps {self.field} out of device memory"
-      f" ({self.argument}={self.kind!r}) under {self.refused_in_reverse_mode}"
+      f" ({self.argument}={self.kind!r}) under {refused}"
       " is not supported: JAX (0.10) gives the cotangent of such a state"
       " another memory kind or sharding than its type. Leave"
       f" {self.argument}=None (device memory) for a step that is"
@@ -158,6 +165,18 @@ class Residency:
       " (jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(params))"
       " with orbax), whose shardings carry the memory kinds."
     )
+
+
+# JAX before 0.12 transposes the accumulator's moves under jax.set_mesh
+# (one device or many) to a cotangent in host memory where the value's type
+# is in device memory: "Expected cotangent type float32[3] but got
+# float32<host>[3]". The optimizer's state, moved the same way, is not hit.
+MESH_DIFFERENTIATES_HOST_STATE = jax.__version_info__ >= (0, 12)
+
+
+def _mesh_is_set() -> bool:
+  """Whether a mesh is set (``jax.set_mesh``) where the step is traced."""
+  return not jax.sharding.get_abstract_mesh().empty
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))

@@ -129,6 +129,7 @@ def _homes(
     field="accumulator",
     argument="accumulator_memory_kind",
     refused_in_reverse_mode=in_shard_map or partial_sums,
+    refused_under_a_mesh=not residency.MESH_DIFFERENTIATES_HOST_STATE,
   )
   inner_state_home = residency.Residency(
     residency.check_memory_kind(

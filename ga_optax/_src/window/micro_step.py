@@ -373,8 +373,13 @@ class ClosingSide:
     )
     # A state kept in host memory visits the device here, and only here.
     inner_state = residency.to_device(carry.inner_state)
+    # Differentiated only where the window has weight (the host's
+    # schedule steps a window without weight too, then selects it away).
+    stepped_grads, stepped_state = micro_step.schedule.stepped_on(
+      weights.has_weight(total_weight), (reduced, inner_state)
+    )
     updates, new_inner_state = window.parallel.inner_update(
-      window.inner, reduced, inner_state, params, micro_step.extra_args
+      window.inner, stepped_grads, stepped_state, params, micro_step.extra_args
     )
     updates = window.lr_scaling.apply(
       updates, decision.every_k, window.window_length.first()

@@ -72,6 +72,11 @@ class DeviceScheduled:
     """A branch of the closing work: ``body(carry)`` where ``predicate``."""
     return run_once.run_once_if(predicate, body, carry, name=name)
 
+  def stepped_on(self, has_weight: jax.Array, inputs: Any) -> Any:
+    """The optimizer's inputs, as they are: it runs only with weight."""
+    del has_weight
+    return inputs
+
   @property
   def carries_buffers(self) -> bool:
     """Whether the closing side may write its output into a carried buffer."""
@@ -121,6 +126,29 @@ class HostScheduled:
       taken = body(carry)
     return jax.tree.map(
       lambda new, old: residency.where(predicate, new, old), taken, carry
+    )
+
+  def stepped_on(self, has_weight: jax.Array, inputs: Any) -> Any:
+    """The optimizer's inputs, differentiated only where the window has weight.
+
+    A window without weight is stepped too, then selected away
+    (:meth:`branch`), and the select gives the step a cotangent of 0. On a
+    zero gradient the step's own derivative may be infinite (Adam's square
+    root of a second moment at 0), and ``0 * inf`` is NaN, which would
+    reach the gradient, the weights and the optimizer's state. Each input
+    is ``where(has_weight, x, stop_gradient(x))``: the transpose of that
+    select sends 0, not the NaN, where the window has no weight. Its two
+    operands are one value, so the compiled program holds no select: the
+    forward values are bit for bit those without it, at no cost.
+    """
+    return jax.tree.map(
+      lambda leaf: (
+        jnp.where(has_weight, leaf, jax.lax.stop_gradient(leaf))
+        if isinstance(leaf, jax.Array)
+        and jnp.issubdtype(leaf.dtype, jnp.inexact)
+        else leaf
+      ),
+      inputs,
     )
 
   @property

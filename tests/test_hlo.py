@@ -586,13 +586,13 @@ ENTRY %main (p: f32[256], q: (pred[], f32[8]), r: (pred[], f32[256]), s: f32[64]
 
 @pytest.mark.parametrize("path", ["micro_step", "closing"])
 def test_path_audit_counts_each_call_and_no_empty_window(path):
-  audit = testing.path_audit(COUNTING_TEXT, path)
+  audit = audits.path_audit(COUNTING_TEXT, path)
   # By hand: each call's add reads 2 x 256 bytes and writes 256; the
   # asynchronous copy reads and writes 1 KiB; the copy 512 bytes each way.
   # The empty window's multiply (3 KiB) runs on neither path.
   assert audit.bytes_moved == 2 * 768 + 2 * 1024 + 2 * 512
-  duplicates = [testing.Copy("main", "copy-start", 1024, False)]
-  duplicates.append(testing.Copy("main", "copy", 512, False))
+  duplicates = [audits.Copy("main", "copy-start", 1024, False)]
+  duplicates.append(audits.Copy("main", "copy", 512, False))
   assert audit.copies == duplicates
   # Both in device memory: duplicates, not moves between memory spaces.
   assert audit.duplicates == duplicates

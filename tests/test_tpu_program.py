@@ -429,11 +429,11 @@ def test_the_planner_compiles_for_a_tpu_chip():
 
 def test_the_one_chip_v4_slice_compiles_a_window():
   """A v4 chip is two devices to JAX: its one-chip slice, as documented."""
-  devices = testing.tpu_devices(2, target="v4")
+  devices = audits.tpu_devices(2, target="v4")
   assert len(devices) == 2
   tx = ga_optax.accumulate(optax.adam(1e-3), 2)
   params = mlp_params(1)
-  program = testing.compile_for_tpu(
+  program = audits.compile_for_tpu(
     train_step(tx),
     params,
     tx.init(params),
@@ -442,7 +442,7 @@ def test_the_one_chip_v4_slice_compiles_a_window():
     target="v4",
     donate_argnums=(0, 1),
   )
-  micro = testing.path_audit(program, "micro_step")
+  micro = audits.path_audit(program, "micro_step")
   # The micro-step reads the parameter at least, and holds no closing work.
   assert micro.bytes_moved >= WIDTH * WIDTH * 4
   assert micro.misplaced_closing_work == []

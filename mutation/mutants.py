@@ -1897,8 +1897,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         PRIVATE_CLIPPING,
-        "      jnp.sum(jnp.square(leaf.astype(jnp.float32)))\n",
-        "      jnp.sum(jnp.square(leaf)).astype(jnp.float32)\n",
+        "    jnp.sum(jnp.square(leaf.astype(jnp.float32)))\n",
+        "    jnp.sum(jnp.square(leaf)).astype(jnp.float32)\n",
       ),
     ),
     tests=(f"{PRIVACY_TESTS}::test_float16_params_clip_by_a_float32_norm",),

@@ -250,22 +250,7 @@ def _audit_program(
   donate_argnums: int | Sequence[int],
   closing: bool | None,
 ) -> AuditReport:
-  compiler, num_devices = TARGETS[target]
-  waits: HostWaits | None = None
-  if compiler == "gpu":
-    waits = host_waits(
-      step,
-      *args,
-      num_devices=num_devices,
-      donate_argnums=donate_argnums,
-    )
-    program = waits.program
-  elif compiler == "tpu":
-    program = tpu_compile.compile_for_tpu(
-      step, *args, num_devices=num_devices, donate_argnums=donate_argnums
-    )
-  else:
-    program = _compile_here(step, args, donate_argnums)
+  program, waits = _compiled(step, args, target, donate_argnums)
   module = compiled_paths.as_module(program)
   sides = compiled_paths.window_sides(module)
   window_branches = sum(sides.values())
@@ -276,44 +261,68 @@ def _audit_program(
     schedule, names = "device", compiled_paths.PATHS
   else:
     schedule, names = "none", ("every_call",)
-  paths = []
-  for name in names:
-    # A program without the window's branches runs all of it on its one
-    # call: read along either path, the same instructions run.
-    found = compiled_paths.path_audit(
-      module,
-      "closing" if name == "closing" else "micro_step",
-      require_window=False,
-    )
-    duplicates = found.duplicates
-    paths.append(
-      PathReport(
-        path=name,
-        bytes_moved=found.bytes_moved,
-        duplicated_bytes=sum(copy.bytes for copy in duplicates),
-        duplicates=len(duplicates),
-        collectives=tuple(
-          (collective.opcode, collective.operand_bytes)
-          for collective in found.collectives
-        ),
-        host_waits=_waits_on(waits, name),
-        # Closing work a closing call runs is where it belongs, wherever
-        # the compiler put it; on a call that keeps the window open (a
-        # micro-step, or a host-scheduled closing=False program, which has
-        # no closing side at all), it is paid for nothing.
-        misplaced_closing_work=(
-          0 if name == "closing" else len(found.misplaced_closing_work)
-        ),
-      )
-    )
   memory = program.memory_analysis()
   return AuditReport(
     target=target,
     schedule=schedule,
     control_flow=_control_flow(module),
     window_branches=window_branches,
-    paths=tuple(paths),
+    paths=tuple(_path_report(module, name, waits) for name in names),
     peak_memory=_peak_memory(memory),
+  )
+
+
+def _compiled(
+  step: Callable[..., Any],
+  args: tuple[Any, ...],
+  target: str,
+  donate_argnums: int | Sequence[int],
+) -> tuple[Any, HostWaits | None]:
+  """``step`` compiled for ``target``, with its host waits on a GPU."""
+  compiler, num_devices = TARGETS[target]
+  if compiler == "gpu":
+    waits = host_waits(
+      step,
+      *args,
+      num_devices=num_devices,
+      donate_argnums=donate_argnums,
+    )
+    return waits.program, waits
+  if compiler == "tpu":
+    program = tpu_compile.compile_for_tpu(
+      step, *args, num_devices=num_devices, donate_argnums=donate_argnums
+    )
+    return program, None
+  return _compile_here(step, args, donate_argnums), None
+
+
+def _path_report(module: Any, name: str, waits: HostWaits | None) -> PathReport:
+  """What the calls of path ``name`` run in ``module``."""
+  # A program without the window's branches runs all of it on its one
+  # call: read along either path, the same instructions run.
+  found = compiled_paths.path_audit(
+    module,
+    "closing" if name == "closing" else "micro_step",
+    require_window=False,
+  )
+  duplicates = found.duplicates
+  return PathReport(
+    path=name,
+    bytes_moved=found.bytes_moved,
+    duplicated_bytes=sum(copy.bytes for copy in duplicates),
+    duplicates=len(duplicates),
+    collectives=tuple(
+      (collective.opcode, collective.operand_bytes)
+      for collective in found.collectives
+    ),
+    host_waits=_waits_on(waits, name),
+    # Closing work a closing call runs is where it belongs, wherever the
+    # compiler put it; on a call that keeps the window open (a micro-step,
+    # or a host-scheduled closing=False program, which has no closing side
+    # at all), it is paid for nothing.
+    misplaced_closing_work=(
+      0 if name == "closing" else len(found.misplaced_closing_work)
+    ),
   )
 
 

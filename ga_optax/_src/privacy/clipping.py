@@ -9,6 +9,7 @@ through at factor 0, or a NaN through at none.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,47 +63,14 @@ def clipped_grad_sum(
     raise ValueError(
       f"l2_clip_norm must be a finite number > 0, got {l2_clip_norm!r}."
     )
-  value_and_grad = jax.value_and_grad(loss_fn)
-
-  def clipped(params: Any, example: Any, weight: jax.Array) -> Any:
-    loss, grad = value_and_grad(params, example)
-    squares = sum(
-      jnp.sum(jnp.square(leaf.astype(jnp.float32)))
-      for leaf in jax.tree.leaves(grad)
-    )
-    norm = jnp.sqrt(squares)
-    factor = jnp.minimum(1.0, clip / norm)
-    keep = weight > 0
-    # Selected, not multiplied: a padding example's gradient may be NaN.
-    scale = jnp.where(keep, weight * factor, 0.0)
-    contribution = jax.tree.map(
-      lambda leaf: jnp.where(keep, leaf.astype(jnp.float32) * scale, 0.0),
-      grad,
-    )
-    return jnp.where(keep, loss.astype(jnp.float32), 0.0), contribution
+  clipped = functools.partial(
+    _clipped_example, jax.value_and_grad(loss_fn), clip
+  )
 
   def batch_fn(
     params: optax.Params, batch: Any, mask: Any = None
   ) -> tuple[jax.Array, optax.Updates]:
-    size = jax.tree.leaves(batch)[0].shape[0]
-    weights = (
-      jnp.ones((size,), jnp.float32)
-      if mask is None
-      else jnp.asarray(mask).astype(jnp.float32)
-    )
-    if not isinstance(weights, jax.core.Tracer) and not bool(
-      jnp.all((weights >= 0) & (weights <= 1))
-    ):
-      raise ValueError(
-        "mask must hold public weights in [0, 1] (1 an example, 0 padding):"
-        " a larger weight would raise an example's contribution past"
-        " l2_clip_norm."
-      )
-    if weights.shape != (size,):
-      raise ValueError(
-        f"mask must have shape ({size},), one value per example, got"
-        f" {weights.shape}."
-      )
+    weights = _example_weights(batch, mask)
     # Inside a shard_map that tracks variance, autodiff would sum the
     # gradient of a parameter that does not vary over the devices' axes
     # across the devices, and each example would be clipped as that sum.
@@ -127,3 +95,52 @@ def clipped_grad_sum(
     return mean_loss, total
 
   return batch_fn
+
+
+def _clipped_example(
+  value_and_grad: Callable[..., Any],
+  clip: float,
+  params: Any,
+  example: Any,
+  weight: jax.Array,
+) -> tuple[jax.Array, Any]:
+  """One example's loss and gradient, its norm (float32) clipped to ``clip``."""
+  loss, grad = value_and_grad(params, example)
+  squares = sum(
+    jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+    for leaf in jax.tree.leaves(grad)
+  )
+  norm = jnp.sqrt(squares)
+  factor = jnp.minimum(1.0, clip / norm)
+  keep = weight > 0
+  # Selected, not multiplied: a padding example's gradient may be NaN.
+  scale = jnp.where(keep, weight * factor, 0.0)
+  contribution = jax.tree.map(
+    lambda leaf: jnp.where(keep, leaf.astype(jnp.float32) * scale, 0.0),
+    grad,
+  )
+  return jnp.where(keep, loss.astype(jnp.float32), 0.0), contribution
+
+
+def _example_weights(batch: Any, mask: Any) -> jax.Array:
+  """Each example's public weight in [0, 1]: ``mask``, or ones without one."""
+  size = jax.tree.leaves(batch)[0].shape[0]
+  weights = (
+    jnp.ones((size,), jnp.float32)
+    if mask is None
+    else jnp.asarray(mask).astype(jnp.float32)
+  )
+  if not isinstance(weights, jax.core.Tracer) and not bool(
+    jnp.all((weights >= 0) & (weights <= 1))
+  ):
+    raise ValueError(
+      "mask must hold public weights in [0, 1] (1 an example, 0 padding):"
+      " a larger weight would raise an example's contribution past"
+      " l2_clip_norm."
+    )
+  if weights.shape != (size,):
+    raise ValueError(
+      f"mask must have shape ({size},), one value per example, got"
+      f" {weights.shape}."
+    )
+  return weights

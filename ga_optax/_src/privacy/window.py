@@ -178,24 +178,29 @@ def accumulate(
     closing: bool | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, Any]:
-    if "weight" in extra_args:
-      raise TypeError(
-        "a private window takes no weight=: every micro-step enters with"
-        " weight 1, so that every closed window, even an empty draw's, is"
-        " a noisy release. Weigh examples through the mask of"
-        " clipped_grad_sum (public values in [0, 1])."
-      )
-    if extra_args.get("fp8_state") is not None:
-      raise ValueError(
-        "fp8_state is refused in a private window: a float8 model's scales"
-        " follow the amax of each micro-batch's activations and gradients,"
-        " statistics of private data that no noise covers."
-      )
+    _refuse_call_keywords(extra_args)
     return window_tx.update(
       clipped_sum, state, params, flush=flush, closing=closing, **extra_args
     )
 
   return optax.GradientTransformationExtraArgs(window_tx.init, update_fn)
+
+
+def _refuse_call_keywords(extra_args: dict[str, Any]) -> None:
+  """Refuses what a private micro-step cannot take, saying why."""
+  if "weight" in extra_args:
+    raise TypeError(
+      "a private window takes no weight=: every micro-step enters with"
+      " weight 1, so that every closed window, even an empty draw's, is"
+      " a noisy release. Weigh examples through the mask of"
+      " clipped_grad_sum (public values in [0, 1])."
+    )
+  if extra_args.get("fp8_state") is not None:
+    raise ValueError(
+      "fp8_state is refused in a private window: a float8 model's scales"
+      " follow the amax of each micro-batch's activations and gradients,"
+      " statistics of private data that no noise covers."
+    )
 
 
 def _refuse(refused: dict[str, Any]) -> None:

@@ -23,7 +23,6 @@ import json
 import os
 import pathlib
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -151,10 +150,7 @@ def on_an_h100(width: int, depth: int, micro_batch: int, k: int) -> dict:
   """Micro-step bytes over the floor's, under ``gpu_compiler_options()``."""
   params, loss_fn = mlp(width, depth)
   batch = {"x": jax.ShapeDtypeStruct((micro_batch, width), jnp.float32)}
-  with warnings.catch_warnings():
-    # Its warning is about running a program, and this one is only compiled.
-    warnings.simplefilter("ignore", RuntimeWarning)
-    options = gpu_compiler_options()
+  options = gpu_compiler_options()
 
   def floor(params, accumulator, batch):
     grads = jax.grad(loss_fn)(params, batch)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import warnings
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -40,9 +39,7 @@ XLA_DEFAULT_KINDS = (
 
 def variants() -> dict[str, tuple[dict[str, str] | None, bool]]:
   """Name -> (compiler options, whether params and state are donated)."""
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", RuntimeWarning)  # the recipe's warning
-    recipe = gpu_compiler_options()
+  recipe = gpu_compiler_options()
   return {
     "XLA's defaults": (None, True),
     "recipe": (recipe, True),

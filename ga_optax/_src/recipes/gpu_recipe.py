@@ -11,8 +11,8 @@ side may hold.
 
 On a real GPU those captured loops gave wrong numbers (an NVIDIA H200, jax
 and jaxlib 0.11.2, 2026-11-28: windows closed on the wrong call, and with
-only WHILE captured the parameters drifted from XLA's defaults' by 5e-3):
-the function warns. A training loop written in Python has no loop to
+only WHILE captured the parameters drifted from XLA's defaults' by 5e-3).
+A training loop written in Python has no loop to
 capture: ``update(..., closing=...)``.
 
 That is why it is private: nothing public may give wrong numbers. It stays
@@ -21,8 +21,6 @@ tests that read what it asks XLA:GPU for.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import jaxlib
 
@@ -58,7 +56,7 @@ def gpu_compiler_options(*, collectives: bool = True) -> dict[str, str]:
   .. warning::
      On an NVIDIA H200 with jax 0.11.2 these options gave **wrong numbers**:
      XLA:GPU's loops captured in CUDA graphs closed windows on the wrong
-     call (docs/benchmarks.md, "0.6 on one H200"). Every call warns. Pass
+     call (docs/benchmarks.md, "0.6 on one H200"). Pass
      ``closing=`` from a Python loop instead (a program without control flow
      needs no options), or keep XLA's defaults, which were exact there.
      Use these only where a check on your GPU and jax, such as
@@ -116,16 +114,6 @@ def gpu_compiler_options(*, collectives: bool = True) -> dict[str, str]:
   """
   if not isinstance(collectives, bool):
     raise TypeError(f"collectives must be True or False, got {collectives!r}.")
-  warnings.warn(
-    "gpu_compiler_options() captures the window's loops in CUDA"
-    " graphs, which gave wrong numbers on an NVIDIA H200 with jax 0.11.2"
-    " (windows closed on the wrong call). Prefer update(..., closing=...)"
-    " from a Python loop (no loop to capture), or XLA's defaults; use these"
-    " options only where ga_optax.testing.compare_with_large_batch passes"
-    " with them on your GPU.",
-    RuntimeWarning,
-    stacklevel=2,
-  )
   kinds = list(_XLA_DEFAULT_KINDS)
   if _jaxlib_version() >= _COLLECTIVE_KERNELS_SINCE:
     kinds.append("COLLECTIVES_KERNEL")

@@ -76,6 +76,7 @@ TIERS = {
     # The pages, the README and the examples, run as a reader runs them.
     "test_batch_size_loop_example.py",
     "test_bf16_recipe_example.py",
+    "test_docs_figures.py",
     "test_docs_snippets.py",
     "test_elastic_example.py",
     "test_examples.py",

@@ -168,11 +168,20 @@ def test_the_host_schedule_page_states_the_tested_bounds():
   ) in text
 
 
-# Pages whose prose holds no measured figure but those read above (or, for
-# the install's sizes, no measurement of ga_optax), each figure with the
-# test that reads it.
-GUARDED = {
-  "README.md": {},  # tests/test_readme.py reads its one table
+# Pages of dated measurements (the run, its date and its command stated
+# beside the figures), whose tables hold what was measured then. Every other
+# page's prose holds no measured figure but those listed below, each with
+# what reads it; a figure added there fails until a test reads it.
+RECORDS = {
+  "docs/benchmarks.md",
+  "docs/compiled-window.md",
+  "docs/examples.md",
+  "docs/how-to/host-memory.md",
+  "docs/how-to/mixed-precision.md",
+  "docs/not-equivalent.md",
+  "docs/how-to/tpu.md",
+}
+READ = {
   "docs/how-to/host-schedule.md": {
     "1.01x": "test_the_host_schedule_page_states_the_tested_bounds",
     "1.05x": "test_the_host_schedule_page_states_the_tested_bounds",
@@ -185,18 +194,38 @@ GUARDED = {
     "400 MB": "the CUDA plugin's download, not a measurement",
     "4.7 GB": "jax[cuda13]'s download, not a measurement",
   },
+  "docs/how-to/batch-size.md": {
+    "10%": "test_the_batch_size_loop_verdict_is_its_table",
+    "94%": "test_the_goodput_example_uses_the_full_runs_costs",
+    "25.38 ms": "test_the_goodput_example_uses_the_full_runs_costs",
+    "42.08 ms": "test_the_goodput_example_uses_the_full_runs_costs",
+    "16.7 ms": "test_the_goodput_example_uses_the_full_runs_costs",
+    "17.10 ms": "test_the_goodput_example_uses_the_full_runs_costs",
+  },
+  "docs/how-to/sharded-optimizer-state.md": {
+    f"{size} GB": "test_the_worked_example_of_sharded_state_is_its_arithmetic"
+    for size in ("1", "3.5", "4", "7", "8", "9", "16", "56")
+  },
+  "docs/how-to/privacy.md": {"1e-5": "delta, an input of the accounting"},
 }
 
 
-@pytest.mark.parametrize("name", sorted(GUARDED))
-def test_guarded_pages_hold_no_other_measured_figure(name):
+def guarded_pages() -> list[str]:
+  pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+  names = [path.relative_to(ROOT).as_posix() for path in pages]
+  assert set(names) >= RECORDS | set(READ)
+  return [name for name in names if name not in RECORDS]
+
+
+@pytest.mark.parametrize("name", guarded_pages())
+def test_pages_hold_no_measured_figure_that_no_test_reads(name):
   text = page(name)
   if name == "README.md":
     # Its table is tests/test_readme.py's.
     text = "\n".join(
       line for line in text.splitlines() if not line.startswith("|")
     )
-  assert sorted(set(measured_figures(text))) == sorted(GUARDED[name]), name
+  assert sorted(set(measured_figures(text))) == sorted(READ.get(name, {}))
 
 
 def test_a_measured_figure_is_seen():
@@ -208,3 +237,144 @@ def test_a_measured_figure_is_seen():
     "3e-4",
   ]
   assert measured_figures("`0.47x` in code, [a](x.md#0.5x), k = 4") == []
+
+
+# The batch-size guide's goodput worked example: the two CPU costs are the
+# benchmark page's full run, and what the guide derives from them is
+# recomputed.
+
+
+def full_run_mlp() -> dict[str, dict[str, str]]:
+  heading = "#### mlp: MLP 4x2048x2048"
+  start = BENCHMARKS.index(heading)
+  end = BENCHMARKS.index("\n#### ", start + len(heading))
+  (table,) = tables(BENCHMARKS[start:end])
+  return by_row(table)
+
+
+def test_the_goodput_example_uses_the_full_runs_costs():
+  text = page("docs/how-to/batch-size.md")
+  flat = " ".join(text.split())
+  rows = full_run_mlp()
+  micro = rows["ga_optax.accumulate"]["micro-step ms"]
+  closing = rows["ga_optax.accumulate"]["window-closing ms"]
+  optimizer = rows["optimizer only"]["micro-step ms"]
+  t, c = float(micro), float(closing) - float(micro)
+  assert (
+    f"an `accumulate` micro-step took {micro} ms and a closing one {closing} ms"
+    in flat
+  )
+  assert f"so closing adds {c:.1f} ms" in flat
+  assert (
+    f'("optimizer only": {optimizer} ms), and `c / t = {c / t:.2f}`' in flat
+  )
+  # The page's code runs on the same two figures, in seconds.
+  assert f"micro_step_seconds = {t / 1000:.5f}" in text
+  assert f"closing_seconds = {float(closing) / 1000:.5f} - {t / 1000:.5f}" in (
+    text
+  )
+  # (c / t) (B_simple / m) at B_simple = 16 and 1000, m = 8.
+  assert (
+    f"With `B_simple` at 16 samples, `(c / t) (B_simple / m) = {c / t * 16 / 8:.1f}`"
+    in flat
+  )
+  peak = c / t * 1000 / 8
+  assert (
+    f"At 1000 samples the peak is at `sqrt({peak:.0f}) = {peak**0.5:.1f}`"
+  ) in flat
+  # The best power of two is within sqrt(2) of the peak: 2 sqrt(2) / 3.
+  assert f"at least {100 * 2 * 2**0.5 / 3:.0f}% of the peak's goodput" in flat
+
+
+def test_the_batch_size_loop_verdict_is_its_table():
+  text = page("docs/how-to/batch-size.md")
+  flat = " ".join(text.split())
+  (table,) = [
+    t for t in tables(text) if t[0][0] == "run" and "optimizer steps" in t[0]
+  ]
+  rows = by_row(table)
+  loss = "held-out loss after 384 micro-batches"
+  adaptive = rows["adaptive k (2, then 4, then 8)"]
+  four, eight = rows["fixed k = 4"], rows["fixed k = 8"]
+  fewer = 1 - float(adaptive["optimizer steps"]) / float(
+    four["optimizer steps"]
+  )
+  assert (
+    f"ended a little higher ({float(adaptive[loss]):.2f} against"
+    f" {float(four[loss]):.2f}) in {100 * fewer:.0f}% fewer steps"
+  ) in flat
+  assert (
+    f"it ended lower ({float(adaptive[loss]):.2f} against"
+    f" {float(eight[loss]):.2f}) on the same items, in more steps"
+    f" ({adaptive['optimizer steps']} against {eight['optimizer steps']})"
+  ) in flat
+
+
+# The sharded-state guide's worked example is arithmetic on its stated
+# sizes, recomputed here; so are its bytes of the compiled step's state.
+
+
+def gb(value: float) -> str:
+  return f"{value / 1e9:g} GB"
+
+
+def test_the_worked_example_of_sharded_state_is_its_arithmetic():
+  text = page("docs/how-to/sharded-optimizer-state.md")
+  parameters_, element_bytes, devices, every_k = 10**9, 4, 8, 8
+  assert "### Worked example: 1B parameters on 8 devices" in text
+  assert (
+    "float32 parameters and accumulator, Adam (float32 moments), D = 8, k = 8"
+  ) in text
+  params = parameters_ * element_bytes
+  moments = 2 * params
+  all_reduce = 2 * (devices - 1) / devices * params
+  scatter = gather = (devices - 1) / devices * params
+  total = params + params + moments
+  sharded_total = params + params + moments / devices
+  (table,) = [t for t in tables(text) if "Adam moments" in t[0]]
+  assert table[1:] == [
+    [
+      "1. replicated",
+      gb(params),
+      gb(params),
+      gb(moments),
+      gb(total),
+      f"{every_k} x {gb(all_reduce)} = {gb(every_k * all_reduce)}",
+    ],
+    [
+      "2. unreduced accumulation",
+      gb(params),
+      gb(params),
+      gb(moments),
+      gb(total),
+      gb(all_reduce),
+    ],
+    [
+      "3. sharded optimizer state",
+      gb(params),
+      gb(params),
+      f"**{gb(moments / devices)}**",
+      f"**{gb(sharded_total)}**",
+      f"{gb(scatter)} + {gb(gather)} = {gb(scatter + gather)}",
+    ],
+  ]
+  flat = " ".join(text.split())
+  assert f"The {gb(total - sharded_total)} saved per device" in flat
+  assert f"Adam on {parameters_ // devices // 10**6}M elements" in flat
+
+
+def test_the_compiled_steps_state_bytes_are_its_arithmetic():
+  flat = " ".join(page("docs/how-to/sharded-optimizer-state.md").split())
+  # The two-layer model's parameters, float32, as the page sums them.
+  leaves = (256, 256, 4096, 1024)
+  params = sum(leaves)
+  sums = " + ".join(f"{leaf:,}" for leaf in leaves)
+  assert f"{len(leaves)} reduce-scatters of {sums} = {params:,} bytes" in flat
+  assert f"({params:,} bytes of float32 parameters," in flat
+  # Adam's two moments, and its int32 count replicated on every device.
+  whole, sharded = 2 * params + 4, 2 * params // 8 + 4
+  assert f"{len(leaves)} all-gathers of {params // 8:,} bytes in all" in flat
+  assert (
+    f"Adam's state takes {sharded:,} bytes per device there instead of"
+    f" {whole:,}"
+  ) in flat

@@ -196,8 +196,8 @@ def best_global_batch_size(
   the largest size, or the smallest with ``prefer_larger=False``.
 
   It takes well under a second for limits in the millions and device
-  ranges in the thousands. Memory grows with the limit: about 3 bytes per
-  size up to it (12 MB at four million) while it runs.
+  ranges in the thousands. Memory grows in proportion to the limit (a few
+  bytes per size up to it) while it runs.
 
   Args:
     max_global_batch_size: the largest global batch to consider.

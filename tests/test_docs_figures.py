@@ -378,3 +378,105 @@ def test_the_compiled_steps_state_bytes_are_its_arithmetic():
     f"Adam's state takes {sharded:,} bytes per device there instead of"
     f" {whole:,}"
   ) in flat
+
+
+# The host-memory guide's worked numbers are arithmetic on the sizes and
+# rates it states, recomputed here.
+
+
+def two_figures(value: float) -> str:
+  """``value`` to two significant figures, as the page writes it."""
+  rounded = float(f"{value:.2g}")
+  return f"{rounded:g}" if rounded < 10 else f"{rounded:.0f}"
+
+
+def test_the_host_memory_worked_numbers_are_their_arithmetic():
+  text = page("docs/how-to/host-memory.md")
+  flat = " ".join(text.split())
+  parameters_, flop_rate = 7e9, 400e12
+  links = {
+    "PCIe 5 x16, about 64 GB/s": 64e9,
+    "NVLink-C2C, about 900 GB/s": 900e9,
+  }
+  pcie, nvlink = links.values()
+  assert "Worked numbers for a 7B-parameter model" in flat
+  assert "a micro-step at an achieved 400 TFLOP/s" in flat
+  (transfers,) = [t for t in tables(text) if t[0][0] == "accumulator"]
+  assert transfers[0][2:] == list(links)
+  expected = []
+  for name, element_bytes in (("bfloat16", 2), ("float32", 4)):
+    held = element_bytes * parameters_
+    moved = 2 * held
+    expected.append(
+      [
+        f"{name} ({held / 1e9:.0f} GB)",
+        f"{moved / 1e9:.0f} GB",
+        *(f"{two_figures(moved / rate)} s" for rate in (pcie, nvlink)),
+      ]
+    )
+  assert transfers[1:] == expected
+  (shares,) = [t for t in tables(text) if t[0][0] == "micro-step"]
+  float32_moved = 2 * 4 * parameters_
+  expected = []
+  for micro_batches, length in ((1, 2048), (8, 4096)):
+    compute = 6 * parameters_ * micro_batches * length / flop_rate
+    expected.append(
+      [
+        f"{micro_batches} x {length:,} tokens",
+        f"{two_figures(compute)} s",
+        *(
+          f"+{two_figures(100 * float32_moved / rate / compute)}%"
+          for rate in (pcie, nvlink)
+        ),
+      ]
+    )
+  assert shares[1:] == expected
+  # Where transfers take as long as compute, for a float32 accumulator.
+  even = [4 * flop_rate / (3 * rate) for rate in (pcie, nvlink)]
+  assert (
+    f"about {float(f'{even[0]:.2g}'):,.0f} tokens per micro-step for a float32"
+    f" accumulator over PCIe 5, {float(f'{even[1]:.2g}'):.0f} over NVLink-C2C"
+  ) in flat
+  state = 8 * parameters_
+  assert (
+    f"8 bytes per parameter in float32, {state / 1e9:.0f} GB for 7B" in flat
+  )
+  assert (
+    f"{2 * state / pcie:g} s over PCIe 5,"  # exactly 1.75
+    f" {two_figures(2 * state / nvlink)} s over NVLink-C2C"
+  ) in flat
+
+
+# The TPU guide's first table: its figures are what the page's own block
+# prints (to the digit printed, which the docs test checks in CI), and
+# MultiSteps' is the largest of each column, as the block prints too.
+
+
+def test_the_tpu_peak_table_is_what_the_page_prints():
+  text = page("docs/how-to/tpu.md")
+  (table,) = [
+    t
+    for t in tables(text)
+    if t[0][:2] == ["step", "peak, x params (jax 0.10.2)"]
+  ]
+  rows = by_row(table)
+  printed = {
+    "`accumulate`, the device decides": ('peak["accumulate"]', "7.8"),
+    "`accumulate`, micro-step (`closing=False`)": (
+      'peak["micro-step, closing=False"]',
+      "5.2",
+    ),
+    "`accumulate`, closing step (`closing=True`)": (
+      'peak["closing step, closing=True"]',
+      "7.6",
+    ),
+  }
+  for row, (expression, claim) in printed.items():
+    assert f"print(round({expression}, 1))  # {claim}" in text
+    for column, cell in rows[row].items():
+      if column != "step":
+        assert f"{float(cell):.1f}" == claim, (row, column, cell)
+  assert 'max(peak.values()) == peak["optax.MultiSteps"])  # True' in text
+  for column in table[0][1:]:
+    values = {name: float(cells[column]) for name, cells in rows.items()}
+    assert max(values, key=values.get) == "`optax.MultiSteps`", column

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from test_readme import BENCHMARKS, GPU_SECTION, by_row, figure, section, tables
 
@@ -480,3 +482,35 @@ def test_the_tpu_peak_table_is_what_the_page_prints():
   for column in table[0][1:]:
     values = {name: float(cells[column]) for name, cells in rows.items()}
     assert max(values, key=values.get) == "`optax.MultiSteps`", column
+
+
+# The narrow accumulators' unit-gradient means (docs/not-equivalent.md's
+# table and the warning's docstring), recomputed in NumPy: k ones summed one
+# at a time in the accumulator's dtype, the mean rounded to it.
+
+
+def unit_mean(dtype, every_k: int) -> str:
+  total = dtype(0)
+  for _ in range(every_k):
+    total = dtype(total + dtype(1))
+  return f"{float(dtype(np.float32(total) / every_k)):.3g}"
+
+
+def test_the_unit_gradient_means_are_numpys():
+  text = page("docs/not-equivalent.md")
+  (table,) = [t for t in tables(text) if t[0][0] == "k"]
+  columns = {
+    "bfloat16, unit: mean": jnp.bfloat16,
+    "float16, unit: mean": np.float16,
+  }
+  for row in by_row(table).values():
+    for column, dtype in columns.items():
+      assert row[column] == unit_mean(dtype, int(row["k"])), row
+  from ga_optax._src.mixed_precision import precision
+
+  doc = " ".join(precision.warn_if_accumulator_too_narrow.__doc__.split())
+  bf16 = [unit_mean(jnp.bfloat16, k) for k in (257, 300, 512)]
+  assert (
+    f"{bf16[0]} at k = 257, {bf16[1]} at 300, {bf16[2]} at 512 in bfloat16;"
+    f" {unit_mean(np.float16, 4096)} at 4096 in float16"
+  ) in doc

@@ -17,9 +17,9 @@ conditional is a node of the graph that the device evaluates: no wait.
 XLA:GPU built for it, and counts the waits on each path of the window (as
 :func:`path_audit` defines the paths: each side of the
 window is a loop of at most one trip, which a micro-step runs on one side
-and the closing call on the other). Each side outside a command buffer
-costs a micro-step 3 waits: 2 for the side that runs once, 1 for the one
-that does not.
+and the closing call on the other). A loop outside a command buffer makes
+the host wait twice when it runs (its trip, then its end) and once when it
+does not.
 
 These are compiler figures, read off the program a GPU with a CUDA 13
 driver would run; how long a wait takes needs a GPU to say.

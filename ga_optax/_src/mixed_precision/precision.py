@@ -74,15 +74,11 @@ def warn_if_accumulator_too_narrow(
     2048 in float16), then the sum stops growing and the mean comes out as
     ``2**p / k``: 0.996 at k = 257, 0.852 at 300, 0.5 at 512 in bfloat16;
     0.5 at 4096 in float16.
-  - k gradients drawn from uniform(0.5, 1.5), relative error of the mean
-    (median / worst of 2048 elements) in bfloat16: 0.15% / 0.38% at k = 1
-    (rounding one value), 0.21% / 1.1% at 8, 0.47% / 2.8% at 64, 0.97% /
-    5.3% at 256, 1.2% / 8.5% at 512, 75% at 2048 (the sum has stopped
-    growing); in float16: 0.02% / 0.05% at 1, 0.17% / 0.78% at 512, 0.33%
-    / 1.9% at 2048, 0.42% / 2.9% at 4096.
-  - zero-mean gradients (normal(0, 1)): the sum does not grow with k, and
-    the error stays at the rounding of one value (bfloat16: a median of
-    0.06% to 0.14% of the gradients' root mean square, for k up to 4096).
+  - k gradients of one sign: the relative error of the mean grows with k
+    and jumps once the sum stops growing (docs/not-equivalent.md tabulates
+    it for gradients drawn from uniform(0.5, 1.5)).
+  - zero-mean gradients: the sum does not grow with k, and the error stays
+    at the rounding of one value.
 
   Args:
     accumulator_dtype: the floating dtype of the accumulator, as given to

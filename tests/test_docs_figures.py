@@ -514,3 +514,83 @@ def test_the_unit_gradient_means_are_numpys():
     f"{bf16[0]} at k = 257, {bf16[1]} at 300, {bf16[2]} at 512 in bfloat16;"
     f" {unit_mean(np.float16, 4096)} at 4096 in float16"
   ) in doc
+
+
+# The compiled-window page's 0.6 table (compiler figures of a dated
+# compile, per jax): its derived columns, and the ratios its prose draws
+# from it, are recomputed from its bytes.
+
+
+def per_jax(cell: str) -> list[float]:
+  return [float(part) for part in cell.split(" / ")]
+
+
+def test_the_compiled_windows_derived_figures_are_its_bytes():
+  text = page("docs/compiled-window.md")
+  flat = " ".join(text.split())
+  start = text.index("### 0.6: the add before any branch")
+  (table,) = [
+    t
+    for t in tables(text[start : text.index("\n## ", start)])
+    if t[0][0] == "step"
+  ]
+  rows = by_row(table)
+  # Sums of figures written to a tenth agree to the tenths they dropped.
+  tenths = pytest.approx
+  theirs = per_jax(rows[MULTISTEPS]["window of 4"])
+  assert theirs == tenths(
+    [4 * moved for moved in per_jax(rows[MULTISTEPS]["micro-step"])], abs=0.2
+  )
+  windows = [
+    "`accumulate`, `closing=`",
+    "`accumulate_and_apply`, `closing=`",
+    "`accumulate_and_apply`, device",
+    "`accumulate`, device",
+  ]
+  for name in windows:
+    row = rows[name]
+    moved = [
+      3 * micro + closing
+      for micro, closing in zip(
+        per_jax(row["micro-step"]), per_jax(row["closing step"]), strict=True
+      )
+    ]
+    window = per_jax(row["window of 4"])
+    assert window == tenths(moved, abs=0.2), name
+    assert row["/ MultiSteps'"] == " / ".join(
+      f"{mine / total:.3f}" for mine, total in zip(window, theirs, strict=True)
+    ), name
+  plain = per_jax(rows["plain Adam"]["micro-step"])
+  closing = per_jax(rows["`accumulate`, device"]["closing step"])
+  assert (
+    "closing step is "
+    + " / ".join(
+      f"{mine / step:.2f}x" for mine, step in zip(closing, plain, strict=True)
+    )
+    + " a plain Adam step"
+  ) in flat
+  micro = per_jax(rows["`accumulate`, device"]["micro-step"])[0]
+  assert f"moves 160.3 MiB, {160.3 / micro:.2f}x the micro-step without" in (
+    flat
+  )
+
+
+# Docstrings that quote a figure: from the dated run it names, or from
+# arithmetic.
+
+
+def test_docstring_figures_are_their_sources():
+  from ga_optax._src.batch_size import advice
+  from ga_optax._src.recipes import gpu_recipe
+
+  recipe = " ".join((gpu_recipe.__doc__ or "").split())
+  run = " ".join(section(BENCHMARKS, GPU_SECTION).split())
+  drift = re.search(r"with only `WHILE` added .*? but (\S+) away", run)
+  assert drift, "the H200 run no longer records the WHILE-only drift"
+  assert (
+    f"with only WHILE captured the parameters drifted from XLA's defaults' by"
+    f" {float(drift.group(1)):.0e}".replace("e-0", "e-")
+  ) in recipe
+  goodput = " ".join((advice.goodput_k.__doc__ or "").split())
+  share = 2 * 2**0.5 / 3  # the goodput at a factor sqrt(2) from the peak
+  assert f"``2 sqrt(2) / 3`` ({100 * share:.0f}%) of the peak's" in goodput

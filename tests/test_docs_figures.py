@@ -1,13 +1,15 @@
 """Figures in the docs' prose are read from where they come from.
 
-A figure a page states in prose (a ratio, a size, a time) goes stale
-silently when the run or the program it describes changes. Here each is
-recomputed from the table it summarises (the H200 run of
-docs/benchmarks.md, which tests/test_readme.py reads too), or read from the
-bound a test holds the code to (``benchmarks/compiled_steps.py``'s
-targets, which tests/test_gpu_program.py asserts). The pages listed in
-``GUARDED`` hold no other measured figure in their prose: one added there
-fails until a test reads it. Nothing here compiles.
+A figure a page states in prose (a ratio, a size, a time, a share, a
+small error) goes stale silently when the run or the program it describes
+changes. Here each is recomputed from the table it summarises (the H200
+run and the full CPU run of docs/benchmarks.md, which tests/test_readme.py
+reads too; a guide's own dated table), from the arithmetic of the sizes it
+states, or read from the bound or tolerance a test holds the code to. A
+section that gives a date is the record of that day's run, and its tables
+stay as measured; any other section holds no measured figure but those in
+``READ``, each with what reads it, so a figure added there fails until a
+test reads it. Nothing here compiles.
 """
 
 from __future__ import annotations

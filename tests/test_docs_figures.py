@@ -14,6 +14,8 @@ test reads it. Nothing here compiles.
 
 from __future__ import annotations
 
+import ast
+import doctest
 import pathlib
 import re
 
@@ -711,3 +713,32 @@ def test_tolerances_quoted_are_the_tests():
   fp8_test = page("tests/test_fp8.py")
   for written in ("rtol=1e-6", "atol=1e-6", "atol=1e-5"):
     assert written in fp8_test, written
+
+
+# Docstring examples that doctest skips are never checked: they show no
+# figure (what they print is a bool, an empty list or nothing).
+
+
+def skipped_examples() -> list[tuple[str, str, str]]:
+  found = []
+  parser = doctest.DocTestParser()
+  for path in sorted((ROOT / "ga_optax").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if not isinstance(
+        node,
+        (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef),
+      ):
+        continue
+      docstring = ast.get_docstring(node, clean=True)
+      for example in parser.get_examples(docstring or ""):
+        if example.options.get(doctest.SKIP):
+          name = path.relative_to(ROOT).as_posix()
+          found.append((name, example.source, example.want))
+  return found
+
+
+def test_skipped_docstring_examples_show_no_figure():
+  examples = skipped_examples()
+  assert examples  # the audits' examples, which need a compiler
+  shown = [(name, want) for name, _, want in examples if re.search(r"\d", want)]
+  assert not shown, shown

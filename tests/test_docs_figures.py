@@ -43,6 +43,7 @@ MEASURED = re.compile(
   r"|\d+(?:\.\d+)?\s?(?:KiB|MiB|GiB|KB|MB|GB|ms|µs)\b"
   r"|\d+(?:\.\d+)?%"
   r"|\d(?:\.\d+)?e-\d+"
+  r"|\d[\d,]*(?:\.\d+)?\s(?:B|bytes?)\b"
 )
 
 
@@ -228,8 +229,13 @@ READ = {
   "docs/how-to/sharded-optimizer-state.md": {
     f"{size} GB": "test_the_worked_example_of_sharded_state_is_its_arithmetic"
     for size in ("1", "3.5", "4", "7", "8", "9", "16", "56")
+  }
+  | {
+    f"{size} bytes": "test_the_compiled_steps_state_bytes_are_its_arithmetic"
+    for size in ("1,412", "5,632", "704")
   },
   "docs/how-to/host-memory.md": {
+    "8 bytes": ARITHMETIC,
     **{
       figure_: ARITHMETIC
       for figure_ in ("1.8%", "14 GB", "25%", "28 GB", "29%", "410%", "56 GB")
@@ -242,6 +248,7 @@ READ = {
   "docs/how-to/mixed-precision.md": {
     **{figure_: VERDICT for figure_ in ("0.15%", "2%", "4.6%", "7.1%", "90%")},
     "0.4%": "bfloat16's rounding, 2**-8, a property of the format",
+    **{f"{size} bytes": VERDICT for size in (2, 14, 16)},
     "6e-8": "float16's smallest subnormal, a property of the format",
     "1e-8": "optax.adam's default eps",
     "3e-4": "the run's final learning rate, an input",
@@ -253,6 +260,25 @@ READ = {
   "docs/examples.md": {"1e-5": TOLERANCE},
   "docs/not-equivalent.md": {"1e-5": TOLERANCE, "2e-5": TOLERANCE},
   "docs/how-to/privacy.md": {"1e-5": "delta, an input of the accounting"},
+  "docs/how-to/data-parallel.md": {
+    **{
+      figure_: "test_the_collectives_table_is_the_pages_prints_and_sums"
+      for figure_ in (
+        "2,436 bytes",
+        "2,436 B",
+        "2,440 B",
+        "2,444 B",
+        "2,468 B",
+        "9,760 B",
+        "8 B",
+      )
+    },
+    "8 bytes": "the page's print ([8]), checked by test_distributed.py",
+    "2,048 bytes": "the page's print ([8, 2048]), checked by test_distributed.py",
+  },
+  "docs/how-to/testing.md": {
+    "64 bytes": "the page's print (('all-reduce', 64)), its 16 float32s",
+  },
 }
 
 
@@ -278,14 +304,12 @@ def test_pages_hold_no_measured_figure_that_no_test_reads(name):
 
 
 def test_a_measured_figure_is_seen():
-  assert measured_figures("took 0.47x, 64.3 MiB, 0.466 ms, 8.4% and 3e-4") == [
-    "0.47x",
-    "64.3 MiB",
-    "0.466 ms",
-    "8.4%",
-    "3e-4",
-  ]
-  assert measured_figures("`0.47x` in code, [a](x.md#0.5x), k = 4") == []
+  assert measured_figures(
+    "took 0.47x, 64.3 MiB, 0.466 ms, 8.4%, 3e-4 and 2,436 bytes; 8 B"
+  ) == ["0.47x", "64.3 MiB", "0.466 ms", "8.4%", "3e-4", "2,436 bytes", "8 B"]
+  assert (
+    measured_figures("`0.47x` in code, [a](x.md#0.5x), k = 4, a 7B model") == []
+  )
 
 
 # The batch-size guide's goodput worked example: the two CPU costs are the
@@ -681,6 +705,21 @@ def test_the_bfloat16_verdict_is_its_table():
     f"end within {master:.4f} of float32, with a drift of"
     f" {100 * drift['float32-master']:.2f}%"
   ) in flat
+  size = {name: int(row["bytes per param"]) for name, row in rows.items()}
+  accumulator = size["bf16-default-moments"] - size["all-bf16"]
+  assert f"costs {accumulator} bytes per parameter over a bfloat16" in flat
+  extra = size["float32-master"] - size["bf16-recipe"]
+  assert f"If {extra} more bytes per parameter fit" in flat
+  assert (
+    f"cost {size['float32-master']} bytes per parameter against the"
+    f" recipe's {size['bf16-recipe']}"
+  ) in flat
+  assert (
+    f"at {size['bf16-recipe']} bytes against {size['all-bf16']} for"
+    " all-bfloat16"
+  ) in flat
+  moments = size["bf16-recipe"] - size["bf16-default-moments"]
+  assert f"for {moments} more bytes per parameter" in flat
   recipe, default = held_out["bf16-recipe"], held_out["bf16-default-moments"]
   share = (default - recipe) / (default - held_out["float32"])
   assert round(share, 1) == 0.1
@@ -742,3 +781,47 @@ def test_skipped_docstring_examples_show_no_figure():
   assert examples  # the audits' examples, which need a compiler
   shown = [(name, want) for name, _, want in examples if re.search(r"\d", want)]
   assert not shown, shown
+
+
+# The data-parallel guide's collectives table: the row its audit block
+# prints is what that block prints (test_distributed.py checks the print),
+# and the other rows are the same model's bytes.
+
+
+def test_the_collectives_table_is_the_pages_prints_and_sums():
+  text = page("docs/how-to/data-parallel.md")
+  flat = " ".join(text.split())
+  parameters_ = 609
+  grads = 4 * parameters_
+  assert f"({parameters_} float32 parameters, {grads:,} bytes)" in flat
+  assert "print([size for _, size in micro_step.collectives])  # [8]" in text
+  assert f"closing.collectives))  # [8, {grads}]" in text
+  (table,) = [t for t in tables(text) if t[0][0] == "workflow"]
+  rows = by_row(table)
+  scalars = 8  # the loss and the weight, float32
+  every_k = 4
+  train_step = (
+    "Explicit, `unreduced_value_and_grad` + `accumulate(unreduced_axes=)`"
+    " (`train_step`)"
+  )
+  assert rows[train_step]["per call"].startswith(
+    f"1 all-reduce, {scalars} B (loss, weight)"
+  )
+  assert rows[train_step]["when a window closes"].startswith(
+    f"+ 1 all-reduce, {grads:,} B (accumulator)"
+  )
+  assert rows[train_step]["per window"] == (
+    f"{every_k} + 1, {every_k * scalars + grads:,} B"
+  )
+  in_step = f"1 all-reduce, {grads + scalars:,} B"
+  per_call = f"1 all-reduce, {grads + 4:,} B"  # the gradients and the loss
+  for name, row in rows.items():
+    if "microbatched_value_and_grad" in name:
+      assert row["per call"].startswith(in_step), name
+      assert row["per window"] == f"1, {grads + scalars:,} B", name
+    elif "`jax.grad` + `accumulate`" in name:
+      assert row["per call"].startswith(per_call), name
+      assert row["per window"] == f"{every_k}, {every_k * (grads + 4):,} B"
+  shard_map = rows["`shard_map`, `accumulate(axis_name=)`"]
+  assert shard_map["when a window closes"].startswith(per_call)
+  assert shard_map["per window"] == f"1, {grads + 4:,} B"

@@ -825,3 +825,38 @@ def test_the_collectives_table_is_the_pages_prints_and_sums():
   shard_map = rows["`shard_map`, `accumulate(axis_name=)`"]
   assert shard_map["when a window closes"].startswith(per_call)
   assert shard_map["per window"] == f"1, {grads + 4:,} B"
+
+
+# The docstrings of ga_optax hold no measured figure but these.
+DOCSTRING_READ = {
+  "1e-3": "a learning rate, an input of the examples",
+  "1e-2": "test_precision.py: test_float16_adam_divides_by_zero_as_the_warning_says",
+  "9.2e-4": "test_precision.py: test_float16_adam_divides_by_zero_as_the_warning_says",
+  "5e-3": "test_precision.py, and test_docstring_figures_are_their_sources",
+  "6e-8": "float16's smallest subnormal, a property of the format",
+  "6e-08": "float16's smallest subnormal, a property of the format",
+  "1e-8": "optax.adam's default eps",
+  "1e-9": "an input of a doctest that runs",
+  "1e-5": "a doctest's tolerance (it runs), and privacy's delta, an input",
+  "94%": "test_docstring_figures_are_their_sources",
+  "400 MB": INSTALL,
+  "4.7 GB": INSTALL,
+  "140 MB": INSTALL,
+}
+
+
+def test_docstrings_hold_no_measured_figure_that_no_test_reads():
+  found: dict[str, set[str]] = {}
+  for path in sorted((ROOT / "ga_optax").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(
+        node,
+        (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef),
+      ):
+        for figure_ in measured_figures(ast.get_docstring(node) or ""):
+          found.setdefault(figure_, set()).add(path.name)
+  unread = {
+    key: names for key, names in found.items() if key not in DOCSTRING_READ
+  }
+  assert not unread, unread
+  assert set(DOCSTRING_READ) <= set(found)

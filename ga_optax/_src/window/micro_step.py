@@ -90,17 +90,18 @@ def update(
     decision.closes, closing_side.close, closing_side.carry()
   )
   output = micro_step.emit(closing_side.output(closed), closed.stepped)
+  weight_sum = schedule.cleared(
+    decision.closes, admitted.weight_sum, admitted.weight_sum
+  )
   new_state = AccumulateState(
-    micro_step=jnp.where(decision.closes, 0, decision.micro_steps),
+    micro_step=schedule.cleared(
+      decision.closes, decision.micro_steps, admitted.weight_sum
+    ),
     update_step=increment_if(state.update_step, closed.stepped),
     every_k=closed.every_k,
     num_skipped=increment_if(state.num_skipped, ~admitted.accepted),
-    emitted=closed.stepped,
-    weight_sum=jnp.where(
-      decision.closes,
-      jnp.zeros_like(admitted.weight_sum),
-      admitted.weight_sum,
-    ),
+    emitted=schedule.emitted(closed.stepped, weight_sum),
+    weight_sum=weight_sum,
     accumulator=window.accumulator_home.keep(
       micro_step.cleared(closed.accumulator)
     ),

@@ -77,6 +77,18 @@ class DeviceScheduled:
     del has_weight
     return inputs
 
+  def emitted(self, stepped: jax.Array, weight_sum: jax.Array) -> jax.Array:
+    """The state's ``emitted``: whether the wrapped optimizer stepped."""
+    del weight_sum
+    return stepped
+
+  def cleared(
+    self, closes: jax.Array, value: jax.Array, weight_sum: jax.Array
+  ) -> jax.Array:
+    """A counter of the window (or its weight): 0 where it closes."""
+    del weight_sum
+    return jnp.where(closes, jnp.zeros_like(value), value)
+
   @property
   def carries_buffers(self) -> bool:
     """Whether the closing side may write its output into a carried buffer."""
@@ -120,7 +132,13 @@ class HostScheduled:
     """``body(carry)`` where ``predicate`` holds, selected: no control flow.
 
     The selects are elementwise and fuse into the work that makes their
-    operands (Adam's moments, say), so they move no byte of their own.
+    operands (Adam's moments, say), so they move no byte of their own. On
+    the CPU, XLA copies each of the optimizer state's parameter-sized
+    leaves once for them (the update of the params, which recomputes the
+    step, reads the state the select overwrites): the one cost a window
+    written without this guard does not have (docs/how-to/host-schedule.md,
+    tests/test_host_overhead.py). Where the guard cannot be avoided (an
+    optimizer's step is opaque), that copy is the price decided.
     """
     with jax.named_scope(name):
       taken = body(carry)
@@ -151,6 +169,35 @@ class HostScheduled:
       inputs,
     )
 
+  def emitted(self, stepped: jax.Array, weight_sum: jax.Array) -> jax.Array:
+    """The state's ``emitted``, written by the kernel that writes the weight.
+
+    A call that keeps the window open emits nothing: False, written as
+    :meth:`cleared` writes its zeros.
+    """
+    if self.closing or not _keeps_comparison(weight_sum):
+      return stepped
+    return weight_sum < -jnp.inf
+
+  def cleared(
+    self, closes: jax.Array, value: jax.Array, weight_sum: jax.Array
+  ) -> jax.Array:
+    """A counter of the window (or its weight): 0 where the host closes it.
+
+    A constant 0 in a donated output is copied there by a kernel of its
+    own, one launch per scalar (two on XLA:GPU, through a temporary).
+    ``where(weight_sum < -inf, value, 0)`` is 0 for every weight sum, NaN
+    among them, and XLA does not fold it: the fusion that reads the
+    window's weight (for ``has_weight``, or to add to it) writes it beside.
+    """
+    del closes  # the host's word: traced as a constant
+    if not self.closing:
+      return value
+    zeros = jnp.zeros_like(value)
+    if not _keeps_comparison(weight_sum):
+      return zeros
+    return jnp.where(weight_sum < -jnp.inf, value, zeros)
+
   @property
   def carries_buffers(self) -> bool:
     # Without a loop no buffer needs to be carried: the output is made
@@ -159,6 +206,11 @@ class HostScheduled:
 
 
 Schedule = DeviceScheduled | HostScheduled
+
+
+def _keeps_comparison(weight_sum: jax.Array) -> bool:
+  """Whether ``weight_sum < -inf`` is a comparison XLA keeps: a float sum."""
+  return jnp.issubdtype(weight_sum.dtype, jnp.floating)
 
 
 def of(closing: Any) -> Schedule:

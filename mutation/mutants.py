@@ -1666,6 +1666,40 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="host_micro_step_copies_a_constant_emitted",
+    guarantee="the host's schedule costs what a transformation must (launches)",
+    defect="a host-scheduled micro-step writes emitted=False as a constant,"
+    " which XLA copies into the state by a kernel of its own: one launch"
+    " more than the hand-written window's on every micro-step",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "    return weight_sum < -jnp.inf\n",
+        "    return stepped\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_overhead.py::test_launches_per_window_are_the_references_plus_two_at_most",
+    ),
+  ),
+  Mutant(
+    name="host_close_copies_constant_counters",
+    guarantee="the host's schedule costs what a transformation must (launches)",
+    defect="the host's closing program clears the micro-step count and the"
+    " weight sum to constants, each copied into the state by kernels of"
+    " their own",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "    return jnp.where(weight_sum < -jnp.inf, value, zeros)\n",
+        "    return zeros\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_overhead.py::test_launches_per_window_are_the_references_plus_two_at_most",
+    ),
+  ),
+  Mutant(
     name="the_host_schedule_follows_the_counter",
     guarantee="the host's schedule (the host's word decides)",
     defect="under closing= the window closes where the counter says, not"

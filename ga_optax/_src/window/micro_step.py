@@ -325,6 +325,10 @@ class ClosingSide:
       functools.partial(self.step_inner, total_weight),
       carry,
       name=scopes.CLOSE_WINDOW,
+      # In order, the new params would all be written before the
+      # optimizer's state, and XLA:CPU would hold every leaf of the new
+      # state at once: slower than the copies it saves (benchmarks/run.py).
+      in_order=micro_step.carrier is not Carrier.PARAMS,
     )
     if micro_step.carrier is not Carrier.ACCUMULATOR:
       # A window without weight leaves its sums: the next starts from zero.

@@ -1700,6 +1700,23 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="host_close_selects_unordered_on_the_cpu",
+    guarantee="the host's schedule costs what a transformation must (copies)",
+    defect="accumulate's host-closing program selects its weight guard in"
+    " no order on the CPU: XLA copies each of the optimizer state's leaves"
+    " first, more parameter-sized copies than the hand-written window's",
+    edits=(
+      Edit(
+        MICRO_STEP,
+        "      in_order=micro_step.carrier is not Carrier.PARAMS,\n",
+        "      in_order=False,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_overhead.py::test_on_the_cpu_only_the_fused_guard_copies_adams_state_once",
+    ),
+  ),
+  Mutant(
     name="the_host_schedule_follows_the_counter",
     guarantee="the host's schedule (the host's word decides)",
     defect="under closing= the window closes where the counter says, not"

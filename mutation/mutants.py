@@ -1691,8 +1691,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         SCHEDULE,
-        "    return jnp.where(weight_sum < -jnp.inf, value, zeros)\n",
-        "    return zeros\n",
+        "      return jnp.where(weight_sum < -jnp.inf, value, jnp.zeros_like(value))\n",
+        "      return jnp.zeros_like(value)\n",
       ),
     ),
     tests=(
@@ -1758,8 +1758,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         SCHEDULE,
-        "      lambda new, old: residency.where(predicate, new, old), taken, carry\n",
-        "      lambda new, old: jnp.where(predicate, new, old), taken, carry\n",
+        "      new if new is old else residency.where(predicate, new, old)\n",
+        "      new if new is old else jnp.where(predicate, new, old)\n",
       ),
     ),
     tests=(
@@ -2097,8 +2097,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "    weight_sum=jnp.where(\n      decision.closes,\n",
-        "    weight_sum=jnp.where(\n      closed.stepped,\n",
+        "  weight_sum = schedule.cleared(\n    decision.closes,",
+        "  weight_sum = schedule.cleared(\n    closed.stepped,",
       ),
     ),
     tests=(

@@ -17,8 +17,8 @@ biases, Adam, k = 4, is compiled once and held to the reference's:
   weight has in ``accumulate_and_apply`` (docs/how-to/host-schedule.md):
   its closing program copies each of the optimizer state's
   parameter-sized leaves once, which the reference, stepping whatever the
-  weight, does not. ``accumulate``'s writes its selects in order and
-  copies none of them.
+  weight, does not. ``accumulate``'s writes its selects in order and,
+  from jax 0.12, copies none of them.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ MICRO_STEPS = host_overhead.EVERY_K - 1
 # The optimizer's state among a program's parameters (JAX names each by
 # its path in the arguments: ``state_inner_state_0__mu_...``).
 INNER_STATE = "state_inner_state"
+# accumulate's selects written in order copy nothing on the CPU from jax
+# 0.12; jax 0.10's XLA copies the optimizer's state all the same.
+ORDERED_ON_THE_CPU = jax.__version_info__ >= (0, 12)
 
 
 @functools.cache
@@ -140,7 +143,7 @@ def test_on_the_cpu_only_the_fused_guard_copies_adams_state_once(name, closing):
   others = [copy for copy in found if copy not in of_state]
   reference = copies(REFERENCE, closing, "cpu")
   assert len(others) <= len(reference), (others, reference)
-  if not closing or name == "ga_optax.accumulate":
+  if not closing or (name == "ga_optax.accumulate" and ORDERED_ON_THE_CPU):
     assert of_state == [], of_state
     return
   # Adam's two moments of each parameter: the selects that keep the state

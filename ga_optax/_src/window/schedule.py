@@ -145,7 +145,7 @@ class HostScheduled:
     the CPU, unordered, XLA copies each of the optimizer state's
     parameter-sized leaves once for them (the update of the params, which
     recomputes the step, reads the state the select overwrites); in order
-    it copies none. ``accumulate_and_apply`` keeps the copies, the one cost
+    it copies none from jax 0.12. ``accumulate_and_apply`` keeps the copies, the one cost
     a window written without this guard does not have
     (docs/how-to/host-schedule.md, tests/test_host_overhead.py): an
     optimizer's step is opaque, so the guard cannot be avoided.
@@ -201,12 +201,9 @@ class HostScheduled:
     window's weight (for ``has_weight``, or to add to it) writes it beside.
     """
     del closes  # the host's word: traced as a constant
-    if not self.closing:
-      return value
-    zeros = jnp.zeros_like(value)
-    if not _keeps_comparison(weight_sum):
-      return zeros
-    return jnp.where(weight_sum < -jnp.inf, value, zeros)
+    if self.closing and _keeps_comparison(weight_sum):
+      return jnp.where(weight_sum < -jnp.inf, value, jnp.zeros_like(value))
+    return jnp.zeros_like(value) if self.closing else value
 
   @property
   def carries_buffers(self) -> bool:

@@ -22,11 +22,17 @@ import jax.numpy as jnp
 import optax
 
 import ga_optax
-from benchmarks import cond_window, host_scheduled
+from benchmarks import cond_window, host_scheduled, state_carrying
 from benchmarks.workloads import Workload
 
 LEARNING_RATE = 1e-4
 HOST_SCHEDULED = "host-scheduled window"
+# The host's schedule written by hand with the state a transformation
+# carries (benchmarks/state_carrying.py): what ga_optax's host-scheduled
+# window is held to.
+STATE_CARRYING = "state-carrying reference (by hand)"
+ACCUMULATE_HOST = "ga_optax.accumulate, host-scheduled"
+FUSED_HOST = "ga_optax.accumulate_and_apply, host-scheduled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +49,10 @@ class Contender:
       ``"grads"`` (fixed gradients, one optimizer step per call).
     closes_windows: whether the call at the end of a window differs from
       the others (accumulating contenders), so it is timed apart.
+    closing_step: the program the host runs on a window's last call, where
+      the host chooses it (``closing=True``, or the state-carrying
+      reference's ``close``); None where ``step`` serves every call. Its
+      compiled memory is the one reported.
   """
 
   name: str
@@ -51,6 +61,7 @@ class Contender:
   init: Callable[[Any], Any]
   feed: str
   closes_windows: bool
+  closing_step: Callable[..., Any] | None = None
 
 
 def _jit(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -142,6 +153,7 @@ def build(workload: Workload) -> list[Contender]:
         closes_windows=True,
       )
     )
+  contenders += host_chosen_contenders(workload, adam)
   if hasattr(ga_optax, "microbatched_value_and_grad"):
     value_and_grad = ga_optax.microbatched_value_and_grad(loss_fn, k)
 
@@ -220,6 +232,60 @@ def build(workload: Workload) -> list[Contender]:
   return contenders
 
 
+def host_chosen_contenders(
+  workload: Workload, adam: optax.GradientTransformation
+) -> list[Contender]:
+  """The host's schedule: ga_optax's two windows on it (``closing=``), and
+  the state-carrying reference written by hand; each call's program chosen
+  by the host, ``closing_step`` on a window's last call. Left out where the
+  installed ga_optax has no ``closing=``."""
+  loss_fn, k = workload.loss_fn, workload.every_k
+  reference = state_carrying.state_carrying_window(loss_fn, adam)
+  contenders = [
+    Contender(
+      STATE_CARRYING,
+      "gradient + add into the carried sums; the closing call: mean, Adam,"
+      " apply, sums cleared",
+      _jit(reference.keep_open),
+      reference.init,
+      "micro",
+      closes_windows=True,
+      closing_step=_jit(reference.close),
+    )
+  ]
+  accumulate = ga_optax.accumulate(adam, k)
+  if "closing" not in inspect.signature(accumulate.update).parameters:
+    return contenders
+  fused = ga_optax.accumulate_and_apply(adam, k)
+
+  def fused_step(closing):
+    def step(params, state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      return fused.apply(params, grads, state, closing=closing)
+
+    return step
+
+  def accumulate_step(closing):
+    return _transformation_step(loss_fn, accumulate, closing=closing)
+
+  for name, make_step, init in (
+    (ACCUMULATE_HOST, accumulate_step, accumulate.init),
+    (FUSED_HOST, fused_step, fused.init),
+  ):
+    contenders.append(
+      Contender(
+        name,
+        "the host chooses: closing=False, then closing=True on the last call",
+        _jit(make_step(False)),
+        init,
+        "micro",
+        closes_windows=True,
+        closing_step=_jit(make_step(True)),
+      )
+    )
+  return contenders
+
+
 @dataclasses.dataclass(frozen=True)
 class WindowContender:
   """A window of ``every_k`` calls, and the program each call runs.
@@ -271,7 +337,9 @@ def window_contenders(
   """The forms of one window: plain Adam, ``optax.MultiSteps``, ga_optax's
   default form, the same under ``gpu_options`` (the GPU recipe, left out
   where None), both on the host's schedule (``closing=``), the same work by
-  hand (``benchmarks/host_scheduled.py``) and the one-``lax.cond`` window.
+  hand carrying a transformation's state (``benchmarks/state_carrying.py``)
+  and keeping none between windows (``benchmarks/host_scheduled.py``), and
+  the one-``lax.cond`` window.
 
   Adam's learning rate is :data:`LEARNING_RATE` throughout; each window
   adds ``every_k`` micro-batches of weight 1.
@@ -344,9 +412,16 @@ def window_contenders(
     ),
   ]
   window = host_scheduled.host_scheduled_window(loss_fn, adam, k)
+  reference = state_carrying.state_carrying_window(loss_fn, adam)
   cond_init, cond_step = cond_window.cond_window(loss_fn, adam, k)
   return [
     *contenders,
+    WindowContender(
+      STATE_CARRYING,
+      "the host's schedule by hand, carrying the sums, weight and count",
+      reference.init,
+      (_jit(reference.keep_open),) * (k - 1) + (_jit(reference.close),),
+    ),
     WindowContender(
       HOST_SCHEDULED,
       "k - 1 micro-steps and a closing step, chosen by the host",

@@ -12,6 +12,8 @@ Usage::
   python benchmarks/run.py                 # full sizes, 15 rounds
   python benchmarks/run.py --quick         # small sizes, 3 rounds (smoke)
   python benchmarks/run.py --workload mlp --repeats 30 --output out.json
+  python benchmarks/run.py --workload mlp --mlp-size 1024 4 \
+      --contender host-scheduled --contender state-carrying
 
 The markdown tables are printed last; the JSON record (machine, device, jax
 version, date, raw timings) goes to ``--output``.
@@ -111,6 +113,18 @@ def main(argv: list[str] | None = None) -> None:
     help="workload to run (repeatable; default: both)",
   )
   parser.add_argument(
+    "--mlp-size",
+    nargs=2,
+    type=int,
+    metavar=("WIDTH", "DEPTH"),
+    help="the MLP's width and depth (default 2048 4; with --quick 512 4)",
+  )
+  parser.add_argument(
+    "--contender",
+    action="append",
+    help="time only the contenders whose name holds this text (repeatable)",
+  )
+  parser.add_argument(
     "--output",
     type=pathlib.Path,
     default=REPO_ROOT / "benchmarks" / "results" / "latest.json",
@@ -120,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
   repeats = args.repeats or (3 if args.quick else 15)
   if repeats < 1 or args.warmup < 0:
     parser.error("--repeats must be >= 1 and --warmup >= 0")
+  if args.mlp_size is not None and min(args.mlp_size) < 1:
+    parser.error("--mlp-size takes a positive width and depth")
   command = "python benchmarks/run.py " + " ".join(
     sys.argv[1:] if argv is None else argv
   )
@@ -129,8 +145,13 @@ def main(argv: list[str] | None = None) -> None:
   for workload in workloads_lib.reference_workloads(args.quick):
     if workload.name not in selected:
       continue
+    if workload.name == "mlp" and args.mlp_size is not None:
+      width, depth = args.mlp_size
+      workload = workloads_lib.mlp(width, depth, 8, workload.every_k)
     print(f"{workload.name}: {workload.description}", file=sys.stderr)
-    record = timing.measure_workload(workload, repeats, args.warmup)
+    record = timing.measure_workload(
+      workload, repeats, args.warmup, args.contender
+    )
     workloads[workload.name] = record
     figures += timing.figures(workload.name, record)
 

@@ -6,7 +6,8 @@ windows of ``contenders.window_contenders``: plain Adam (k steps),
 ``optax.MultiSteps``, ``accumulate`` and ``accumulate_and_apply`` in their
 default form and under ``gpu_compiler_options()`` (the GPU recipe,
 where this ga_optax has it), both on the host's schedule (``closing=``),
-the same work written by hand (``benchmarks/host_scheduled.py``) and the
+the same work written by hand (``benchmarks/state_carrying.py``, carrying a
+transformation's state, and ``benchmarks/host_scheduled.py``) and the
 one-``lax.cond`` window
 (``benchmarks/cond_window.py``).
 
@@ -19,7 +20,8 @@ round (a slow spell then falls on all alike):
   them: the time of a window as a training loop sees it.
 
 Medians over rounds; ratios to the host-scheduled micro-step (the floor
-written as a program) and to ``optax.MultiSteps``' window. Every
+written as a program), to ``optax.MultiSteps``' window and to the
+state-carrying reference's window (``benchmarks/state_carrying.py``). Every
 contender's params are checked finite at the end. Times, on whatever device
 runs it: a CPU's say nothing about a GPU's.
 """
@@ -170,9 +172,11 @@ def measure_workload(workload: workloads_lib.Workload, repeats: int) -> Record:
   found = {row["contender"]: row for row in rows}
   floor = found.get(contenders_lib.HOST_SCHEDULED, {}).get("micro_ms")
   multi_steps = found.get("optax.MultiSteps", {}).get("window_ms")
+  reference = found.get(contenders_lib.STATE_CARRYING, {}).get("window_ms")
   for row in rows:
     row["micro_over_host_scheduled"] = over(row["micro_ms"], floor)
     row["window_over_multi_steps"] = over(row["window_ms"], multi_steps)
+    row["window_over_state_carrying"] = over(row["window_ms"], reference)
   caption = f"{workload.description}, {workload.num_params:,} params"
   if options is None:
     caption += "; no GPU recipe in this ga_optax"

@@ -1666,6 +1666,57 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="host_micro_step_copies_a_constant_emitted",
+    guarantee="the host's schedule costs what a transformation must (launches)",
+    defect="a host-scheduled micro-step writes emitted=False as a constant,"
+    " which XLA copies into the state by a kernel of its own: one launch"
+    " more than the hand-written window's on every micro-step",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "    return weight_sum < -jnp.inf\n",
+        "    return stepped\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_overhead.py::test_launches_per_window_are_the_references_plus_two_at_most",
+    ),
+  ),
+  Mutant(
+    name="host_close_copies_constant_counters",
+    guarantee="the host's schedule costs what a transformation must (launches)",
+    defect="the host's closing program clears the micro-step count and the"
+    " weight sum to constants, each copied into the state by kernels of"
+    " their own",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "      return jnp.where(weight_sum < -jnp.inf, value, jnp.zeros_like(value))\n",
+        "      return jnp.zeros_like(value)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_overhead.py::test_launches_per_window_are_the_references_plus_two_at_most",
+    ),
+  ),
+  Mutant(
+    name="host_close_selects_unordered_on_the_cpu",
+    guarantee="the host's schedule costs what a transformation must (copies)",
+    defect="accumulate's host-closing program selects its weight guard in"
+    " no order on the CPU: XLA copies each of the optimizer state's leaves"
+    " first, more parameter-sized copies than the hand-written window's",
+    edits=(
+      Edit(
+        MICRO_STEP,
+        "      in_order=micro_step.carrier is not Carrier.PARAMS,\n",
+        "      in_order=False,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_overhead.py::test_on_the_cpu_only_the_fused_guard_copies_adams_state_once",
+    ),
+  ),
+  Mutant(
     name="the_host_schedule_follows_the_counter",
     guarantee="the host's schedule (the host's word decides)",
     defect="under closing= the window closes where the counter says, not"
@@ -1707,8 +1758,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         SCHEDULE,
-        "      lambda new, old: residency.where(predicate, new, old), taken, carry\n",
-        "      lambda new, old: jnp.where(predicate, new, old), taken, carry\n",
+        "      new if new is old else residency.where(predicate, new, old)\n",
+        "      new if new is old else jnp.where(predicate, new, old)\n",
       ),
     ),
     tests=(
@@ -2046,8 +2097,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "    weight_sum=jnp.where(\n      decision.closes,\n",
-        "    weight_sum=jnp.where(\n      closed.stepped,\n",
+        "  weight_sum = schedule.cleared(\n    decision.closes,",
+        "  weight_sum = schedule.cleared(\n    closed.stepped,",
       ),
     ),
     tests=(

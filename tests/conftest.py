@@ -67,6 +67,7 @@ TIERS = {
     "test_gpu_program.py",
     "test_gpu_report.py",
     "test_hlo.py",
+    "test_host_overhead.py",
     "test_host_waits.py",
     "test_privacy_program.py",
     "test_tpu_program.py",

@@ -19,10 +19,22 @@ from ga_optax._src import scopes
 
 
 def window_primitives(jaxpr: Any) -> list[str]:
-  """The ``while`` and ``cond`` equations of ``jaxpr``, nested ones too."""
+  """The ``while`` and ``cond`` equations of ``jaxpr``, nested ones too.
+
+  A ``cond`` on the platform (``lax.platform_dependent``) is left out: it
+  is resolved when the step is lowered for one platform, and no control
+  flow compiles from it.
+  """
   names = []
+  on_platform = set()
   for equation in jaxpr.eqns:
-    if equation.primitive.name in ("while", "cond"):
+    if equation.primitive.name == "platform_index":
+      on_platform.update(map(id, equation.outvars))
+    platform_cond = (
+      equation.primitive.name == "cond"
+      and id(equation.invars[0]) in on_platform
+    )
+    if equation.primitive.name in ("while", "cond") and not platform_cond:
       names.append(equation.primitive.name)
     for sub in jax_core.jaxprs_in_params(equation.params):
       names += window_primitives(sub)

@@ -205,6 +205,7 @@ def check_every_form_of_the_window_is_timed(section):
     ),
     "ga_optax.accumulate, host-scheduled",
     "ga_optax.accumulate_and_apply, host-scheduled",
+    "state-carrying reference (by hand)",
     "host-scheduled window",
     "conditional window (one lax.cond)",
   ]
@@ -219,6 +220,7 @@ def check_every_form_of_the_window_is_timed(section):
   host, multi_steps = record["rows"][-2], record["rows"][1]
   assert host["micro_over_host_scheduled"] == 1.0
   assert multi_steps["window_over_multi_steps"] == 1.0
+  assert record["rows"][-3]["window_over_state_carrying"] == 1.0
 
 
 def check_the_cond_window_beside_accumulate(section):

@@ -90,17 +90,18 @@ def update(
     decision.closes, closing_side.close, closing_side.carry()
   )
   output = micro_step.emit(closing_side.output(closed), closed.stepped)
+  weight_sum = schedule.cleared(
+    decision.closes, admitted.weight_sum, admitted.weight_sum
+  )
   new_state = AccumulateState(
-    micro_step=jnp.where(decision.closes, 0, decision.micro_steps),
+    micro_step=schedule.cleared(
+      decision.closes, decision.micro_steps, admitted.weight_sum
+    ),
     update_step=increment_if(state.update_step, closed.stepped),
     every_k=closed.every_k,
     num_skipped=increment_if(state.num_skipped, ~admitted.accepted),
-    emitted=closed.stepped,
-    weight_sum=jnp.where(
-      decision.closes,
-      jnp.zeros_like(admitted.weight_sum),
-      admitted.weight_sum,
-    ),
+    emitted=schedule.emitted(closed.stepped, weight_sum),
+    weight_sum=weight_sum,
     accumulator=window.accumulator_home.keep(
       micro_step.cleared(closed.accumulator)
     ),
@@ -324,6 +325,10 @@ class ClosingSide:
       functools.partial(self.step_inner, total_weight),
       carry,
       name=scopes.CLOSE_WINDOW,
+      # In order, the new params would all be written before the
+      # optimizer's state, and XLA:CPU would hold every leaf of the new
+      # state at once: slower than the copies it saves (benchmarks/run.py).
+      in_order=micro_step.carrier is not Carrier.PARAMS,
     )
     if micro_step.carrier is not Carrier.ACCUMULATOR:
       # A window without weight leaves its sums: the next starts from zero.

@@ -68,14 +68,31 @@ class DeviceScheduled:
     carry: Carry,
     *,
     name: str,
+    in_order: bool = False,
   ) -> Carry:
-    """A branch of the closing work: ``body(carry)`` where ``predicate``."""
+    """A branch of the closing work: ``body(carry)`` where ``predicate``.
+
+    ``in_order`` is the host's schedule's (:meth:`HostScheduled.branch`).
+    """
+    del in_order  # a branch writes its buffers in place
     return run_once.run_once_if(predicate, body, carry, name=name)
 
   def stepped_on(self, has_weight: jax.Array, inputs: Any) -> Any:
     """The optimizer's inputs, as they are: it runs only with weight."""
     del has_weight
     return inputs
+
+  def emitted(self, stepped: jax.Array, weight_sum: jax.Array) -> jax.Array:
+    """The state's ``emitted``: whether the wrapped optimizer stepped."""
+    del weight_sum
+    return stepped
+
+  def cleared(
+    self, closes: jax.Array, value: jax.Array, weight_sum: jax.Array
+  ) -> jax.Array:
+    """A counter of the window (or its weight): 0 where it closes."""
+    del weight_sum
+    return jnp.where(closes, jnp.zeros_like(value), value)
 
   @property
   def carries_buffers(self) -> bool:
@@ -116,17 +133,28 @@ class HostScheduled:
     carry: Carry,
     *,
     name: str,
+    in_order: bool = False,
   ) -> Carry:
     """``body(carry)`` where ``predicate`` holds, selected: no control flow.
 
+    With ``in_order``, on the CPU each field of the carry is written after
+    the fields that follow it (:func:`_select_in_order`).
+
     The selects are elementwise and fuse into the work that makes their
-    operands (Adam's moments, say), so they move no byte of their own.
+    operands (Adam's moments, say), so they move no byte of their own. On
+    the CPU, unordered, XLA copies each of the optimizer state's
+    parameter-sized leaves once for them (the update of the params, which
+    recomputes the step, reads the state the select overwrites); in order
+    it copies none from jax 0.12. ``accumulate_and_apply`` keeps the copies, the one cost
+    a window written without this guard does not have
+    (docs/how-to/host-schedule.md, tests/test_host_overhead.py): an
+    optimizer's step is opaque, so the guard cannot be avoided.
     """
     with jax.named_scope(name):
       taken = body(carry)
-    return jax.tree.map(
-      lambda new, old: residency.where(predicate, new, old), taken, carry
-    )
+    if not (in_order and _in_order(carry)):
+      return _select(predicate, taken, carry)
+    return _select_changed(predicate, taken, carry)
 
   def stepped_on(self, has_weight: jax.Array, inputs: Any) -> Any:
     """The optimizer's inputs, differentiated only where the window has weight.
@@ -151,6 +179,32 @@ class HostScheduled:
       inputs,
     )
 
+  def emitted(self, stepped: jax.Array, weight_sum: jax.Array) -> jax.Array:
+    """The state's ``emitted``, written by the kernel that writes the weight.
+
+    A call that keeps the window open emits nothing: False, written as
+    :meth:`cleared` writes its zeros.
+    """
+    if self.closing or not _keeps_comparison(weight_sum):
+      return stepped
+    return weight_sum < -jnp.inf
+
+  def cleared(
+    self, closes: jax.Array, value: jax.Array, weight_sum: jax.Array
+  ) -> jax.Array:
+    """A counter of the window (or its weight): 0 where the host closes it.
+
+    A constant 0 in a donated output is copied there by a kernel of its
+    own, one launch per scalar (two on XLA:GPU, through a temporary).
+    ``where(weight_sum < -inf, value, 0)`` is 0 for every weight sum, NaN
+    among them, and XLA does not fold it: the fusion that reads the
+    window's weight (for ``has_weight``, or to add to it) writes it beside.
+    """
+    del closes  # the host's word: traced as a constant
+    if self.closing and _keeps_comparison(weight_sum):
+      return jnp.where(weight_sum < -jnp.inf, value, jnp.zeros_like(value))
+    return jnp.zeros_like(value) if self.closing else value
+
   @property
   def carries_buffers(self) -> bool:
     # Without a loop no buffer needs to be carried: the output is made
@@ -159,6 +213,82 @@ class HostScheduled:
 
 
 Schedule = DeviceScheduled | HostScheduled
+
+
+def _select(predicate: jax.Array, taken: Carry, carry: Carry) -> Carry:
+  """Each leaf of ``taken`` where ``predicate`` holds, else ``carry``'s."""
+  return jax.tree.map(
+    lambda new, old: (
+      new if new is old else residency.where(predicate, new, old)
+    ),
+    taken,
+    carry,
+  )
+
+
+def _in_order(carry: Any) -> bool:
+  """Whether :func:`_select_in_order` may write ``carry``: a record of
+  fields whose leaves all live in the device's memory."""
+  return isinstance(carry, tuple) and all(
+    residency.kind_of(leaf) == "device" for leaf in jax.tree.leaves(carry)
+  )
+
+
+def _select_changed(predicate: jax.Array, taken: Any, carry: Any) -> Any:
+  """The fields of the record ``carry`` that ``taken`` changed, selected:
+  on the CPU in order (:func:`_select_in_order`), elsewhere as they come.
+
+  Only those: inside ``platform_dependent`` every operand is a value of its
+  own, and an unchanged field would be selected against itself.
+  """
+  changed = [
+    index
+    for index, (new, old) in enumerate(zip(taken, carry, strict=True))
+    if any(
+      a is not b
+      for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
+    )
+  ]
+  selected = jax.lax.platform_dependent(
+    predicate,
+    [taken[index] for index in changed],
+    [carry[index] for index in changed],
+    cpu=_select_in_order,
+    default=_select,
+  )
+  fields = list(carry)
+  for index, value in zip(changed, selected, strict=True):
+    fields[index] = value
+  return type(carry)(*fields)
+
+
+def _select_in_order(predicate: jax.Array, taken: Any, carry: Any) -> Any:
+  """:func:`_select`, each field written after the fields that follow it.
+
+  On the CPU, XLA computes the step anew inside each select that reads it:
+  the output's select reads the optimizer's state as it was, which the
+  state's own select overwrites in place. Left unordered, XLA copies each
+  of the state's leaves first. Here each field's select reads its old
+  value through an optimization barrier that comes after the selects of
+  the fields that follow it (the output, the parts, then the optimizer's
+  state, then the accumulator, in :class:`Carry`'s order): every reader of
+  an old buffer runs before the select that overwrites it, and nothing is
+  copied.
+  """
+  fields = list(carry)
+  written: list[Any] = []
+  for index in reversed(range(len(fields))):
+    old = fields[index]
+    if written:
+      written, old = jax.lax.optimization_barrier((written, old))
+    fields[index] = _select(predicate, taken[index], old)
+    written = [*written, fields[index]]
+  return fields
+
+
+def _keeps_comparison(weight_sum: jax.Array) -> bool:
+  """Whether ``weight_sum < -inf`` is a comparison XLA keeps: a float sum."""
+  return jnp.issubdtype(weight_sum.dtype, jnp.floating)
 
 
 def of(closing: Any) -> Schedule:

@@ -46,34 +46,38 @@ _COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
 
 
 # (figure, numerator, denominator, how, target); `how` picks the measure.
+# The first four are the device's schedule (``closing=None``, the default)
+# on the CPU, held to the contract's targets for it (shared/DESIGN.md,
+# section 5, "CPU times"): the 0.6 window measured 1.19x, 1.97x, 1.45x and
+# 1.99x on a quiet machine.
 FIGURES = [
   (
     "accumulate micro-step / floor (gradient + accumulate + zero updates)",
     ("ga_optax.accumulate", "micro_ms"),
     ("floor: + write and apply zero updates", "micro_ms"),
     "<=",
-    1.25,
+    0.75,
   ),
   (
     "MultiSteps micro-step / accumulate micro-step",
     ("optax.MultiSteps", "micro_ms"),
     ("ga_optax.accumulate", "micro_ms"),
     ">=",
-    1.7,
+    3.0,
   ),
   (
     "accumulate window-closing step / plain Adam step",
     ("ga_optax.accumulate", "closing_ms"),
     ("plain Adam step", "micro_ms"),
     "<=",
-    1.25,
+    1.1,
   ),
   (
     "accumulate compiled temp bytes / plain Adam step's",
     ("ga_optax.accumulate", "temp_bytes"),
     ("plain Adam step", "temp_bytes"),
     "<=",
-    1.10,
+    0.6,
   ),
   (
     "micro-batched window / (k gradients + one optimizer step)",

@@ -1637,6 +1637,25 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
   ),
   Mutant(
+    name="the_cpu_close_keeps_the_updates_in_the_accumulator",
+    guarantee="one state for both schedules (every close empties the window)",
+    defect="on the CPU the select that zeroes the accumulator after its"
+    " buffer carried the updates out keeps it: the next window adds onto the"
+    " last one's updates",
+    edits=(
+      Edit(
+        RUN_ONCE,
+        "jnp.where(taken, zero, leaf)",
+        "jnp.where(taken, leaf, leaf)",
+      ),
+    ),
+    tests=(
+      "tests/test_accumulate.py::AccumulateTest::test_every_close_leaves_the_accumulator_at_zero_(fused=False, host_scheduled=False, window='steps')__with_jit",
+      "tests/test_equivalence.py::test_uniform_micro_batches_match_the_large_batch[sgd-4]",
+    ),
+    window_form="conditional",
+  ),
+  Mutant(
     name="an_empty_window_keeps_its_sums",
     guarantee="one state for both schedules (an empty window is emptied too)",
     defect="a window closed without weight (weights 0, or summing to 0)"

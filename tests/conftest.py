@@ -63,6 +63,7 @@ TIERS = {
     # What the real compilers build for compile-only H100s and TPUs, and
     # the audits that read it.
     "test_compiled_window.py",
+    "test_cpu_program.py",
     "test_gpu_options.py",
     "test_gpu_program.py",
     "test_gpu_report.py",

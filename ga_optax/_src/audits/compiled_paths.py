@@ -357,8 +357,9 @@ def window_sides(program: Any) -> dict[str, int]:
     on one ``accumulate`` adds its gradient outside any branch (n = 0) and
     holds one closing loop (m >= 1: the branch that steps the optimizer, and
     the one that zeroes the accumulator after its buffer carried the updates
-    out, are closing loops too) and one that empties a window closed
-    without weight. A host-scheduled step holds none.
+    out, are closing loops too; on the CPU that zeroing is a select, in no
+    branch) and one that empties a window closed without weight. A
+    host-scheduled step holds none.
   """
   module = as_module(program)
   found = dict.fromkeys(scopes.SIDES, 0)

@@ -32,6 +32,7 @@ from ga_optax._src import scopes, validation
 from ga_optax._src.algebra import fp8, parts, weights
 from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.placements import residency
+from ga_optax._src.window import run_once
 from ga_optax._src.window import schedule as schedule_lib
 from ga_optax._src.window.output import Carrier
 from ga_optax._src.window.state import AccumulateState, check_state
@@ -245,11 +246,13 @@ class MicroStep:
 
     The closing side zeroes it itself, but where its buffer carried the
     updates out: those are read first, then the buffer is zeroed in place,
-    by a branch of its own that a micro-step skips.
+    by a branch of its own that a micro-step skips (on the CPU, a select:
+    :func:`ga_optax._src.window.run_once.emptied_if`). Only the device's
+    schedule carries its output in the accumulator.
     """
     if self.carrier is not Carrier.ACCUMULATOR:
       return accumulator
-    return self.schedule.branch(
+    return run_once.emptied_if(
       self.decision.closes,
       self.window.parallel.emptied,
       accumulator,

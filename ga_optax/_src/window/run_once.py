@@ -77,6 +77,50 @@ def run_once_if(
     return _run_once(converted, jnp.asarray(predicate), carry, invariants)
 
 
+def emptied_if(
+  predicate: jax.Array,
+  emptied: Callable[[Carry], Carry],
+  carry: Carry,
+  *,
+  name: str,
+) -> Carry:
+  """``emptied(carry)`` where ``predicate`` holds: zeros over a buffer read on.
+
+  For the accumulator after its buffer has carried the updates out: the
+  caller reads them after this call, and the zeros must come after that
+  read. In the loops form this is :func:`run_once_if`, a loop that a
+  micro-step skips. In the conditional form it is a select,
+  ``where(predicate, emptied(carry), carry)``, the same numbers: XLA:CPU
+  orders a conditional's forwarding branch after no read it cannot see
+  (the caller's ``apply_updates``), so it copied the whole accumulator in
+  the branch every micro-step and kept its sum in temporary buffers; an
+  elementwise select has no branch to copy, and XLA writes it in place
+  after the read.
+
+  Args:
+    predicate: a boolean scalar.
+    emptied: maps ``carry`` to zeros of its structure, shapes and dtypes,
+      made without reading it.
+    carry: the buffers to zero.
+    name: the scope of the loop, one of :data:`ga_optax._src.scopes.SIDES`.
+
+  Returns:
+    ``emptied(carry)`` or ``carry``.
+  """
+
+  def as_loops(taken: jax.Array, carried: Carry) -> Carry:
+    return run_once_if(taken, emptied, carried, name=name)
+
+  def as_select(taken: jax.Array, carried: Carry) -> Carry:
+    return jax.tree.map(
+      lambda zero, leaf: jnp.where(taken, zero, leaf), emptied(carried), carried
+    )
+
+  return window_form.choose(
+    jnp.asarray(predicate), carry, loops=as_loops, conditional=as_select
+  )
+
+
 def _closure_converted(
   body: Callable[[Carry], Carry], carry: Carry
 ) -> tuple[Callable[..., Carry], list[Any]]:

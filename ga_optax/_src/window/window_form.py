@@ -11,7 +11,11 @@ compiled program:
 * ``"conditional"``: each branch is a ``lax.cond``. XLA:CPU splits
   elementwise work over its cores in a conditional's branch but not inside a
   loop body, and its copy insertion copies nothing for a branch that
-  forwards its operands.
+  forwards its operands. The one exception is the accumulator zeroed after
+  the caller has read the updates out of its buffer: a branch that forwards
+  it would be copied on every micro-step (XLA:CPU cannot order it after that
+  read), so this form zeroes it with a select
+  (:func:`ga_optax._src.window.run_once.emptied_if`).
 
 The host's schedule (``closing=``) has no branch, and no form.
 

@@ -231,7 +231,9 @@ class MicroStep:
         Carrier.ACCUMULATOR: self.accumulator,
         Carrier.GRADS: self.grads,
       }
-      if self.tpu:
+      if self.tpu and _same_types(self.grads, self.accumulator):
+        # The gradients' buffers, where their types are the accumulator's
+        # (a sharded or host-kept accumulator keeps the updates instead).
         carriers = {
           Carrier.GRADS: self.grads,
           Carrier.ACCUMULATOR: self.accumulator,
@@ -456,6 +458,16 @@ class ClosingSide:
       every_k=next_k,
       stepped=jnp.ones((), jnp.bool_),
     )
+
+
+def _same_types(tree: Any, like: Any) -> bool:
+  """Whether each leaf of ``tree`` has the type (sharding too) of its twin."""
+  return all(
+    jax.typeof(leaf) == jax.typeof(twin)
+    for leaf, twin in zip(
+      jax.tree.leaves(tree), jax.tree.leaves(like), strict=True
+    )
+  )
 
 
 def _unzip(pairs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

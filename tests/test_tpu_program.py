@@ -6,9 +6,12 @@ The workload is a 4 x 1024² tanh MLP with Adam, k = 4, params and state
 donated as a training loop does. Every ratio below compares two programs
 compiled here, in one run; none is a time.
 
-On a TPU the window takes its loop form (the platform's). The device's
-schedule keeps the optimizer off the micro-step, and the host's schedule
-(``closing=``) compiles to programs without control flow. Every audit has a
+On a TPU the window takes the TPU's form (window_form.choose_window): its
+closing side a conditional around loops, the updates written into the
+gradients' buffer. The device's schedule keeps the optimizer off the
+micro-step and copies no parameter-sized buffer, on two models at two
+micro-batch sizes; the host's schedule (``closing=``) compiles to programs
+without control flow. Every audit has a
 planted control, a program that breaks its claim and fails it. One claim
 fails on a TPU and is held as a known miss: at 4 x 4096², past the chip's
 on-chip memory, ``accumulate``'s device-scheduled program duplicates its
@@ -469,3 +472,187 @@ def test_the_memory_benchmark_runs_and_its_plan_fits(tmp_path):
   plan = record["plan"]
   assert plan["micro_batch_size"] * plan["num_microbatches"] == 64
   assert plan["compiled_bytes"] <= plan["memory_budget_bytes"]
+
+
+# The device's schedule on two models, each at two micro-batch sizes: the
+# MLP above (bias-free), and one with biases. Every program compiled once.
+MODELS = ("bias_free", "biased")
+MICRO_BATCHES = (8, 64)
+CONFIGURATIONS = [(m, rows) for m in MODELS for rows in MICRO_BATCHES]
+
+
+def model(name: str) -> tuple[Any, dict[str, jax.Array]]:
+  """The loss and params of a 4 x 1024² tanh MLP, with biases or without."""
+  if name == "bias_free":
+    return mlp_loss, mlp_params()
+  params = {f"w{i}": jnp.zeros((WIDTH, WIDTH)) for i in range(LAYERS)}
+  params |= {f"b{i}": jnp.zeros((WIDTH,)) for i in range(LAYERS)}
+
+  def loss(params, inputs):
+    for index in range(LAYERS):
+      inputs = jnp.tanh(inputs @ params[f"w{index}"] + params[f"b{index}"])
+    return jnp.mean(inputs**2)
+
+  return loss, params
+
+
+def model_steps(name: str) -> dict[str, tuple[Any, Any]]:
+  """The floor (gradient + add), accumulate and accumulate_and_apply:
+  each step and the state it is compiled with."""
+  loss, params = model(name)
+  adam = optax.adam(1e-3)
+  accumulate = ga_optax.accumulate(adam, K)
+  fused = ga_optax.accumulate_and_apply(adam, K)
+
+  def floor(params, accumulator, inputs):
+    grads = jax.grad(loss)(params, inputs)
+    return params, jax.tree.map(jnp.add, accumulator, grads)
+
+  def accumulate_step(params, state, inputs):
+    updates, state = accumulate.update(
+      jax.grad(loss)(params, inputs), state, params
+    )
+    return optax.apply_updates(params, updates), state
+
+  def fused_step(params, state, inputs):
+    return fused.apply(params, jax.grad(loss)(params, inputs), state)
+
+  return {
+    "floor": (floor, optax.tree.zeros_like(params)),
+    "accumulate": (accumulate_step, accumulate.init(params)),
+    "accumulate_and_apply": (fused_step, fused.init(params)),
+  }
+
+
+def compiled_model_step(name: str, step: str, rows: int) -> Any:
+  step_fn, state = model_steps(name)[step]
+  return audits.compile_for_tpu(
+    step_fn,
+    model(name)[1],
+    state,
+    jnp.zeros((rows, WIDTH)),
+    donate_argnums=(0, 1),
+  )
+
+
+@functools.cache
+def model_paths(name: str, step: str, rows: int) -> dict[str, Any]:
+  """Each path's audit of one step on one model, compiled once."""
+  program = compiled_model_step(name, step, rows)
+  return {
+    path: audits.path_audit(program, path, require_window=step != "floor")
+    for path in ("micro_step", "closing")
+  }
+
+
+def parameter_sized_copies(audit: audits.PathAudit) -> list[audits.Copy]:
+  """The plain ``copy`` instructions of a megabyte or more on a path.
+
+  Duplicates, and the synchronous moves between the chip's on-chip memory
+  and its main memory that the window's loops made the compiler insert;
+  the asynchronous ``copy-start`` that stages a buffer while other work
+  runs is the chip's ordinary traffic, and is left out.
+  """
+  return [
+    copy
+    for copy in audit.copies
+    if copy.bytes >= 2**20 and not copy.name.startswith("copy-start")
+  ]
+
+
+def micro_step_over_floor(name: str, step: str, rows: int) -> float:
+  micro = model_paths(name, step, rows)["micro_step"]
+  floor = model_paths(name, "floor", rows)["micro_step"]
+  return micro.bytes_moved / floor.bytes_moved
+
+
+@pytest.mark.parametrize(("name", "rows"), CONFIGURATIONS)
+def test_no_path_copies_a_parameter_sized_buffer(name, rows):
+  for step in ("accumulate", "accumulate_and_apply"):
+    for path, audit in model_paths(name, step, rows).items():
+      assert audit.misplaced_closing_work == [], (step, path)
+      assert parameter_sized_copies(audit) == [], (step, path)
+
+
+def test_the_loops_of_every_other_platform_copy_the_accumulator(monkeypatch):
+  """The control: the window every platform but the TPU runs (pinned by
+  ``GA_OPTAX_WINDOW_FORM``), compiled for the TPU. Its accumulator, staged in
+  on-chip memory by the closing loop, is copied back to main memory on every
+  micro-step for the loop that zeroes it: four parameter-sized copies."""
+  monkeypatch.setenv("GA_OPTAX_WINDOW_FORM", "loops")
+  program = compiled_model_step("biased", "accumulate", 8)
+  micro = audits.path_audit(program, "micro_step")
+  copies = parameter_sized_copies(micro)
+  assert [copy.bytes for copy in copies] == [WIDTH * WIDTH * 4] * LAYERS
+
+
+# What a micro-step of accumulate must move beyond the floor: the caller's
+# apply_updates reads the params and the emitted zeros and writes the params
+# (a select and an add no branch can remove). Written by hand without any
+# branch, that step moves 1.48x to 1.49x the floor on three of the four
+# configurations below (1.09x bias-free at 8 rows): a window at 1.5x would
+# have to cost nothing for its branch.
+DEVICE_TARGET = 1.5
+# Where the window is today, on jax 0.10.2 and 0.12 alike: 1.53x to 1.65x,
+# 1.12x bias-free at 8 rows (2.12x to 2.66x before the TPU's window).
+DEVICE_BOUND = 1.7
+
+
+@pytest.mark.parametrize(("name", "rows"), CONFIGURATIONS)
+def test_the_device_scheduled_micro_step_moves_at_most_1_7_x_the_floor(
+  name, rows
+):
+  assert micro_step_over_floor(name, "accumulate", rows) <= DEVICE_BOUND
+
+
+@pytest.mark.parametrize(
+  ("name", "rows"),
+  [
+    pytest.param(
+      *configuration,
+      marks=pytest.mark.xfail(
+        strict=True,
+        raises=AssertionError,
+        reason="known miss: the compiler stages the optimizer's state in"
+        " on-chip memory around the closing branch on every call (1.53x to"
+        " 1.65x the floor)",
+      ),
+    )
+    if configuration != ("bias_free", 8)
+    else configuration
+    for configuration in CONFIGURATIONS
+  ],
+)
+def test_the_device_scheduled_micro_step_moves_at_most_1_5_x_the_floor(
+  name, rows
+):
+  assert micro_step_over_floor(name, "accumulate", rows) <= DEVICE_TARGET
+
+
+# The fused micro-step does the floor's work and leaves the params in place;
+# 5% covers the scalar counters and the compiler's choice of what to stage
+# in on-chip memory, which moves the floor itself by more between models.
+FUSED_TOLERANCE = 1.05
+
+
+@pytest.mark.parametrize(
+  ("name", "rows"),
+  [
+    pytest.param(
+      *configuration,
+      marks=pytest.mark.xfail(
+        strict=True,
+        raises=AssertionError,
+        reason="known miss: bias-free at 64 rows the optimizer's state is"
+        " staged in on-chip memory around the closing branch (1.08x on jax"
+        " 0.10.2, 1.19x on 0.12)",
+      ),
+    )
+    if configuration == ("bias_free", 64)
+    else configuration
+    for configuration in CONFIGURATIONS
+  ],
+)
+def test_the_fused_micro_step_moves_what_the_floor_moves(name, rows):
+  ratio = micro_step_over_floor(name, "accumulate_and_apply", rows)
+  assert ratio <= FUSED_TOLERANCE

@@ -208,3 +208,107 @@ def test_an_undifferentiated_step_keeps_its_loops(monkeypatch):
   lowered = jax.jit(step).lower(params, state).as_text()
   assert lowered.count("stablehlo.while") == 3
   assert "stablehlo.case" not in lowered and "stablehlo.if" not in lowered
+
+
+# The TPU's window: the closing side in a conditional around loops, the
+# updates written into the gradients. Run here on the CPU, its numbers and
+# state must be the other platforms' to the bit.
+
+
+@pytest.fixture
+def tpu_window(monkeypatch) -> Iterator[None]:
+  """Steps traced with the TPU's window, its inner branches loops."""
+  monkeypatch.setenv(window_form.VARIABLE, window_form.LOOPS)
+  monkeypatch.setattr(window_form, "choose_window", lambda *, tpu, other: tpu())
+  yield
+
+
+def test_the_tpu_window_closes_in_a_conditional_around_loops(tpu_window):
+  # The closing side a conditional; inside it the optimizer's step where
+  # the window has weight, and the sums emptied where it has none: loops.
+  # No branch zeroes the accumulator after the window: the updates leave
+  # in the gradients' buffer.
+  assert window_primitives(sgd_step_jaxpr()) == ["cond", "while", "while"]
+
+
+# Each micro-step's weight and flush: a window cut short, one without weight.
+CALLS = ((1.0, False), (2.0, False), (0.5, True), (0.0, False), (0.0, False))
+CALLS += ((0.0, False), (1.0, False), (1.0, False), (3.0, False))
+
+
+def window_run(fused: bool) -> list[Any]:
+  """Every call's output and state, as arrays, over windows of every kind."""
+  make = OPTIMIZERS["clip_adamw"]
+  tx = (ga_optax.accumulate_and_apply if fused else ga_optax.accumulate)(
+    make(0.05), K
+  )
+  params = initial_params()
+  state = tx.init(params)
+  inputs, targets = (jnp.asarray(array) for array in data())
+
+  @jax.jit
+  def step(params, state, index, weight, flush):
+    grads = jax.grad(loss_fn)(params, inputs[index], targets[index])
+    if fused:
+      return tx.apply(params, grads, state, weight=weight, flush=flush)
+    updates, state = tx.update(grads, state, params, weight=weight, flush=flush)
+    return optax.apply_updates(params, updates), state
+
+  calls = []
+  for index, (weight, flush) in enumerate(CALLS):
+    params, state = step(
+      params, state, index % MICRO_BATCHES, weight, jnp.asarray(flush)
+    )
+    calls.append(jax.tree.map(np.asarray, (params, state)))
+  return calls
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["accumulate", "fused"])
+def test_the_tpu_window_computes_the_other_platforms_numbers(
+  monkeypatch, fused
+):
+  monkeypatch.setenv(window_form.VARIABLE, window_form.LOOPS)
+  expected = window_run(fused)
+  monkeypatch.setattr(window_form, "choose_window", lambda *, tpu, other: tpu())
+  calls = window_run(fused)
+  # The first window (weights 1, 2, 0.5, flushed) is the large-batch step
+  # of its weighted micro-batches, computed here by hand.
+  inputs, targets = data()
+  weights = np.array([1.0, 2.0, 0.5], np.float32)
+
+  def weighted_loss(params):
+    losses = jnp.stack(
+      [loss_fn(params, inputs[i], targets[i]) for i in range(3)]
+    )
+    return jnp.sum(losses * weights) / weights.sum()
+
+  tx = OPTIMIZERS["clip_adamw"](0.05)
+  params = initial_params()
+  updates, _ = tx.update(
+    jax.grad(weighted_loss)(params), tx.init(params), params
+  )
+  by_hand = optax.apply_updates(params, updates)
+  np.testing.assert_allclose(calls[2][0]["w"], by_hand["w"], rtol=1e-5)
+  changed = [
+    not np.array_equal(calls[i][0]["w"], calls[i + 1][0]["w"])
+    for i in range(len(CALLS) - 1)
+  ]
+  # Windows close at calls 3 (flushed), 6 (no weight: no step) and 9.
+  assert changed == [False, True, False, False, False, False, False, True]
+  for call, (got, want) in enumerate(zip(calls, expected, strict=True)):
+    for got_leaf, want_leaf in zip(
+      jax.tree.leaves(got), jax.tree.leaves(want), strict=True
+    ):
+      assert np.all(np.isfinite(got_leaf.astype(np.float64))), call
+      np.testing.assert_array_equal(got_leaf, want_leaf, err_msg=str(call))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["accumulate", "fused"])
+def test_reverse_mode_through_the_tpu_window(tpu_window, fused):
+  learning_rate = jnp.asarray(0.05)
+  derivative = jax.jit(
+    jax.grad(lambda lr: accumulated_run(lr, optax.adam, fused=fused))
+  )(learning_rate)
+  expected = jax.grad(lambda lr: large_batch_run(lr, optax.adam))(learning_rate)
+  assert np.isfinite(derivative) and abs(float(expected)) > 1e-3
+  np.testing.assert_allclose(derivative, expected, rtol=2e-5, atol=1e-7)

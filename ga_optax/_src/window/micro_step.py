@@ -34,6 +34,7 @@ from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.placements import residency
 from ga_optax._src.window import run_once
 from ga_optax._src.window import schedule as schedule_lib
+from ga_optax._src.window import window_form
 from ga_optax._src.window.output import Carrier
 from ga_optax._src.window.state import AccumulateState, check_state
 from ga_optax._src.window.window import Admitted, Decision, Window
@@ -73,23 +74,52 @@ def update(
 
   admitted = window.admit(grads, state, weight)
   decision = window.decide(state, admitted, schedule, flush)
-  micro_step = MicroStep(
-    window,
-    schedule,
-    grads,
-    state,
-    params,
-    weight,
-    admitted,
-    decision,
-    extra_args,
-    accumulator=residency.to_device_after(state.accumulator, grads),
-    fp8_state=fp8_state,
+
+  def window_on(tpu: bool) -> tuple[Any, AccumulateState]:
+    micro_step = MicroStep(
+      window,
+      schedule,
+      grads,
+      state,
+      params,
+      weight,
+      admitted,
+      decision,
+      extra_args,
+      accumulator=residency.to_device_after(state.accumulator, grads),
+      fp8_state=fp8_state,
+      tpu=tpu,
+    )
+    return _closed(micro_step)
+
+  if isinstance(schedule, schedule_lib.DeviceScheduled):
+    return window_form.choose_window(
+      tpu=functools.partial(window_on, True),
+      other=functools.partial(window_on, False),
+    )
+  return window_on(False)
+
+
+def _closed(micro_step: MicroStep) -> tuple[Any, AccumulateState]:
+  """The output and the new state: the window closed where it closes."""
+  schedule, decision = micro_step.schedule, micro_step.decision
+  window, state, admitted = (
+    micro_step.window,
+    micro_step.state,
+    micro_step.admitted,
   )
   closing_side = ClosingSide(micro_step)
-  closed = schedule.close_window(
-    decision.closes, closing_side.close, closing_side.carry()
-  )
+  if micro_step.tpu and isinstance(schedule, schedule_lib.DeviceScheduled):
+    closed = schedule.close_window(
+      decision.closes,
+      closing_side.close,
+      closing_side.carry(),
+      conditional=True,
+    )
+  else:
+    closed = schedule.close_window(
+      decision.closes, closing_side.close, closing_side.carry()
+    )
   output = micro_step.emit(closing_side.output(closed), closed.stepped)
   weight_sum = schedule.cleared(
     decision.closes, admitted.weight_sum, admitted.weight_sum
@@ -159,6 +189,9 @@ class MicroStep:
       float8 state (the gradient of its ``_overwrite_with_gradient``
       collection), which the window's parts see among the gradients as
       Flax variables; None for any other model.
+    tpu: the TPU's window (:func:`window_form.choose_window`): the closing
+      side writes the updates into the gradients' buffer where they fit,
+      which leaves no accumulator to read after the closing branch.
   """
 
   window: Window
@@ -172,6 +205,7 @@ class MicroStep:
   extra_args: dict[str, Any]
   accumulator: optax.Updates
   fp8_state: Any = None
+  tpu: bool = False
 
   @functools.cached_property
   def updates_like(self) -> Any:
@@ -199,6 +233,13 @@ class MicroStep:
         Carrier.ACCUMULATOR: self.accumulator,
         Carrier.GRADS: self.grads,
       }
+      if self.tpu and _same_types(self.grads, self.accumulator):
+        # The gradients' buffers, where their types are the accumulator's
+        # (a sharded or host-kept accumulator keeps the updates instead).
+        carriers = {
+          Carrier.GRADS: self.grads,
+          Carrier.ACCUMULATOR: self.accumulator,
+        }
     return self.window.output.carrier(self.updates_like, carriers)
 
   def added(self, accumulator: optax.Updates, grads: optax.Updates) -> Any:
@@ -425,6 +466,16 @@ class ClosingSide:
       every_k=next_k,
       stepped=jnp.ones((), jnp.bool_),
     )
+
+
+def _same_types(tree: Any, like: Any) -> bool:
+  """Whether each leaf of ``tree`` has the type (sharding too) of its twin."""
+  return all(
+    jax.typeof(leaf) == jax.typeof(twin)
+    for leaf, twin in zip(
+      jax.tree.leaves(tree), jax.tree.leaves(like), strict=True
+    )
+  )
 
 
 def _unzip(pairs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -1727,7 +1727,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "      in_order=micro_step.carrier is not Carrier.PARAMS,\n",
+        "      in_order=_selects_in_order(micro_step.carrier),\n",
         "      in_order=False,\n",
       ),
     ),

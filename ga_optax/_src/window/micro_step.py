@@ -32,9 +32,8 @@ from ga_optax._src import scopes, validation
 from ga_optax._src.algebra import fp8, parts, weights
 from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.placements import residency
-from ga_optax._src.window import run_once
+from ga_optax._src.window import run_once, window_form
 from ga_optax._src.window import schedule as schedule_lib
-from ga_optax._src.window import window_form
 from ga_optax._src.window.output import Carrier
 from ga_optax._src.window.state import AccumulateState, check_state
 from ga_optax._src.window.window import Admitted, Decision, Window
@@ -109,17 +108,12 @@ def _closed(micro_step: MicroStep) -> tuple[Any, AccumulateState]:
     micro_step.admitted,
   )
   closing_side = ClosingSide(micro_step)
-  if micro_step.tpu and isinstance(schedule, schedule_lib.DeviceScheduled):
-    closed = schedule.close_window(
-      decision.closes,
-      closing_side.close,
-      closing_side.carry(),
-      conditional=True,
-    )
-  else:
-    closed = schedule.close_window(
-      decision.closes, closing_side.close, closing_side.carry()
-    )
+  closed = schedule.close_window(
+    decision.closes,
+    closing_side.close,
+    closing_side.carry(),
+    conditional=micro_step.tpu,
+  )
   output = micro_step.emit(closing_side.output(closed), closed.stepped)
   weight_sum = schedule.cleared(
     decision.closes, admitted.weight_sum, admitted.weight_sum
@@ -306,10 +300,9 @@ class ClosingSide:
   """The side of a micro-step that closes the window.
 
   It reduces the window over the devices, normalises it and steps the
-  wrapped optimizer once, writing its output (updates, or new params) into
-  the micro-step's carrier buffer; it closes the window's parts, decides
-  the next window's k, and leaves the accumulator at zero. A window that
-  holds no weight closes without a step.
+  wrapped optimizer once (not for a window without weight), writing its
+  output (updates, or new params) into the micro-step's carrier buffer; it
+  closes the window's parts, decides the next k, and zeroes the accumulator.
 
   Attributes:
     micro_step: the micro-step it is a side of.
@@ -369,10 +362,7 @@ class ClosingSide:
       functools.partial(self.step_inner, total_weight),
       carry,
       name=scopes.CLOSE_WINDOW,
-      # In order, the new params would all be written before the
-      # optimizer's state, and XLA:CPU would hold every leaf of the new
-      # state at once: slower than the copies it saves (benchmarks/run.py).
-      in_order=micro_step.carrier is not Carrier.PARAMS,
+      in_order=_selects_in_order(micro_step.carrier),
     )
     if micro_step.carrier is not Carrier.ACCUMULATOR:
       # A window without weight leaves its sums: the next starts from zero.
@@ -466,6 +456,17 @@ class ClosingSide:
       every_k=next_k,
       stepped=jnp.ones((), jnp.bool_),
     )
+
+
+def _selects_in_order(carrier: Carrier) -> bool:
+  """Whether the host's weight guard writes its selects in order on the CPU.
+
+  Not where the output is the new params: in order, they would all be
+  written before the optimizer's state, and XLA:CPU would hold every leaf
+  of the new state at once, slower than the copies it saves
+  (benchmarks/run.py).
+  """
+  return carrier is not Carrier.PARAMS
 
 
 def _same_types(tree: Any, like: Any) -> bool:

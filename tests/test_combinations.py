@@ -474,6 +474,56 @@ def learning_rate_of(state: Any) -> jax.Array:
   return found.inner_state.hyperparams["learning_rate"]
 
 
+def scanned_runs(
+  schedule: tuple[bool | None, ...],
+) -> list[tuple[tuple[bool | None, ...], list[list[int]]]]:
+  """The micro-steps differentiated, in runs that one ``lax.scan`` can drive.
+
+  The NaN step is left out. Each device-scheduled micro-step is a block of
+  its own (its ``flush`` is data); each host-scheduled window (``closing=``,
+  a Python bool, is static) is one block. Consecutive blocks of the same
+  sides make one run, ``(sides, blocks)``: scanned (``scans``), its body is
+  one block, compiled once for the whole run. The device's schedule is one
+  run of nine calls; the host's, three windows of two calls and one of
+  three; the switching one, two windows of two, two calls of the device's
+  and a window of three.
+  """
+  blocks, window = [], []
+  for index in range(NUM_MICRO_STEPS):
+    if index == NAN_STEP:
+      continue
+    if schedule[index] is None:
+      assert not window, window
+      blocks.append([index])
+      continue
+    window.append(index)
+    if schedule[index]:
+      blocks.append(window)
+      window = []
+  assert not window, window
+  runs: list[tuple[tuple[bool | None, ...], list[list[int]]]] = []
+  for block in blocks:
+    sides = tuple(schedule[index] for index in block)
+    if runs and runs[-1][0] == sides:
+      runs[-1][1].append(block)
+    else:
+      runs.append((sides, [block]))
+  return runs
+
+
+def scans(case: Case, blocks: list[list[int]]) -> bool:
+  """Whether a run's blocks are driven by one ``lax.scan`` or unrolled.
+
+  Scanned where it compiles faster: a run of three blocks or more (a scan
+  of one or two blocks compiled slower than the same calls unrolled: its
+  loop carries and stacks the window's residuals). JAX differentiates no
+  scan that carries state in host memory (the cotangent it gives a
+  ``pinned_host`` leaf is typed in device memory, on JAX 0.10 and 0.12
+  alike), so those cases are unrolled.
+  """
+  return case.residency == "device" and len(blocks) >= 3
+
+
 @pytest.mark.parametrize(
   "case",
   REVERSE_CASES,
@@ -487,6 +537,15 @@ def test_reverse_mode_matches_the_large_batch(case: Case):
   batches = micro_batches()
   mesh = jax.make_mesh((DEVICES,), ("data",))
   one_device = case.parallel == "one_device"
+  runs = scanned_runs(SCHEDULES[case.schedule])
+  # Every micro-step but the NaN one, in order. A NaN input makes the
+  # loss's own second derivative NaN (its backward pass multiplies a zero
+  # cotangent by NaN), whatever the window does with the micro-batch: the
+  # skip is the forward matrix's. Left out, it leaves the windows as they
+  # were.
+  assert [i for _, blocks in runs for b in blocks for i in b] == [
+    index for index in range(NUM_MICRO_STEPS) if index != NAN_STEP
+  ]
   with contextlib.nullcontext() if one_device else jax.set_mesh(mesh):
     # The rate is a leaf of the state, kept where the case keeps the
     # optimizer's state, and enters every step as the state does.
@@ -494,20 +553,47 @@ def test_reverse_mode_matches_the_large_batch(case: Case):
     runner = Runner(case, mesh, optimizer)
     params = runner.place(init_params(), P())
     initial = runner.tx.init(params)
-    placed = [runner.place(batch, P("data")) for batch in batches]
+    # Per run, per place in its block: the blocks' micro-batches stacked,
+    # and their flushes.
+    scanned = [
+      tuple(
+        (
+          runner.place(
+            {
+              name: np.stack([batches[block[place]][name] for block in blocks])
+              for name in batches[0]
+            },
+            P(None, "data"),
+          ),
+          jnp.asarray([block[place] == FLUSH_STEP for block in blocks]),
+        )
+        for place in range(len(sides))
+      )
+      for sides, blocks in runs
+    ]
     rows = runner.place(all_rows(batches), P("data"))
 
     def final_loss(learning_rate: jax.Array, state: Any) -> jax.Array:
       state = with_learning_rate(state, learning_rate)
-      moved = params
-      for index, batch in enumerate(placed):
-        # A NaN input makes the loss's own second derivative NaN (its
-        # backward pass multiplies a zero cotangent by NaN), whatever the
-        # window does with the micro-batch: the skip is the forward
-        # matrix's. Left out, it leaves the windows as they were.
-        if index != NAN_STEP:
-          moved, state = runner.step(moved, state, batch, index)
-      return token_mean_loss(moved, rows)
+
+      def block(sides, carry, places):
+        moved, state = carry
+        for closing, (batch, flush) in zip(sides, places, strict=True):
+          moved, state = runner.steps[closing](moved, state, batch, flush)
+        return (moved, state), None
+
+      carry = (params, state)
+      for (sides, blocks), places in zip(runs, scanned, strict=True):
+        if scans(case, blocks):
+          carry, _ = jax.lax.scan(
+            functools.partial(block, sides), carry, places
+          )
+        else:
+          for i in range(len(blocks)):
+            carry, _ = block(
+              sides, carry, jax.tree.map(lambda a, i=i: a[i], places)
+            )
+      return token_mean_loss(carry[0], rows)
 
     differentiate = jax.jit(jax.grad(final_loss))
     if not differentiates(case):

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax._src import audits
+from ga_optax._src.window import window_form
 
 # Skipped where libtpu is missing, except in CI, which installs it: there
 # the tests fail with TpuCompilerUnavailable and the command that installs it.
@@ -524,15 +525,25 @@ def model_steps(name: str) -> dict[str, tuple[Any, Any]]:
   }
 
 
-def compiled_model_step(name: str, step: str, rows: int) -> Any:
+def compiled_model_step(
+  name: str, step: str, rows: int, pinned: str | None = None
+) -> Any:
+  """One step for the TPU, in the form the platform chooses, as a user's
+  is (CI's run that pins the loops form leaves it to the platform here), or
+  in the form ``pinned``."""
   step_fn, state = model_steps(name)[step]
-  return audits.compile_for_tpu(
-    step_fn,
-    model(name)[1],
-    state,
-    jnp.zeros((rows, WIDTH)),
-    donate_argnums=(0, 1),
-  )
+  with pytest.MonkeyPatch.context() as patch:
+    if pinned is None:
+      patch.delenv(window_form.VARIABLE, raising=False)
+    else:
+      patch.setenv(window_form.VARIABLE, pinned)
+    return audits.compile_for_tpu(
+      step_fn,
+      model(name)[1],
+      state,
+      jnp.zeros((rows, WIDTH)),
+      donate_argnums=(0, 1),
+    )
 
 
 @functools.cache
@@ -574,13 +585,14 @@ def test_no_path_copies_a_parameter_sized_buffer(name, rows):
       assert parameter_sized_copies(audit) == [], (step, path)
 
 
-def test_the_loops_of_every_other_platform_copy_the_accumulator(monkeypatch):
+def test_the_loops_of_every_other_platform_copy_the_accumulator():
   """The control: the window every platform but the TPU runs (pinned by
   ``GA_OPTAX_WINDOW_FORM``), compiled for the TPU. Its accumulator, staged in
   on-chip memory by the closing loop, is copied back to main memory on every
   micro-step for the loop that zeroes it: four parameter-sized copies."""
-  monkeypatch.setenv("GA_OPTAX_WINDOW_FORM", "loops")
-  program = compiled_model_step("biased", "accumulate", 8)
+  program = compiled_model_step(
+    "biased", "accumulate", 8, pinned=window_form.LOOPS
+  )
   micro = audits.path_audit(program, "micro_step")
   copies = parameter_sized_copies(micro)
   assert [copy.bytes for copy in copies] == [WIDTH * WIDTH * 4] * LAYERS

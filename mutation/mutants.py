@@ -1718,40 +1718,6 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_host_overhead.py::test_launches_per_window_are_the_references_plus_two_at_most",
     ),
   ),
-  Mutant(
-    name="host_close_selects_unordered_on_the_cpu",
-    guarantee="the host's schedule costs what a transformation must (copies)",
-    defect="accumulate's host-closing program selects its weight guard in"
-    " no order on the CPU: XLA copies each of the optimizer state's leaves"
-    " first, more parameter-sized copies than the hand-written window's",
-    edits=(
-      Edit(
-        MICRO_STEP,
-        "      in_order=_selects_in_order(micro_step.carrier),\n",
-        "      in_order=False,\n",
-      ),
-    ),
-    tests=(
-      "tests/test_host_overhead.py::test_on_the_cpu_only_the_fused_guard_copies_adams_state_once",
-    ),
-  ),
-  Mutant(
-    name="the_host_schedule_follows_the_counter",
-    guarantee="the host's schedule (the host's word decides)",
-    defect="under closing= the window closes where the counter says, not"
-    " where the host does",
-    edits=(
-      Edit(
-        SCHEDULE,
-        "    del by_count, flush  # the host's word, whatever the counter says\n"
-        "    return jnp.asarray(self.closing)",
-        "    del flush\n    return by_count",
-      ),
-    ),
-    tests=(
-      "tests/test_host_schedule.py::test_the_hosts_word_decides_where_it_disagrees_with_the_counter",
-    ),
-  ),
   # Reverse mode.
   Mutant(
     name="weight_zero_has_no_derivative",

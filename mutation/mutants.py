@@ -2197,39 +2197,4 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_hlo.py::test_path_audit_counts_each_call_and_no_empty_window",
     ),
   ),
-  Mutant(
-    name="tpu_window_writes_updates_into_the_accumulator",
-    guarantee="cost (the TPU's device-scheduled window copies no parameter)",
-    defect="the TPU's window writes its updates into the accumulator, as"
-    " the other platforms' does: the closing loop's accumulator is copied"
-    " back to main memory on every micro-step to be zeroed",
-    edits=(
-      Edit(
-        MICRO_STEP,
-        "          Carrier.GRADS: self.grads,\n"
-        "          Carrier.ACCUMULATOR: self.accumulator,\n",
-        "          Carrier.ACCUMULATOR: self.accumulator,\n"
-        "          Carrier.GRADS: self.grads,\n",
-      ),
-    ),
-    tests=(
-      "tests/test_tpu_program.py::test_no_path_copies_a_parameter_sized_buffer",
-    ),
-  ),
-  Mutant(
-    name="tpu_window_closes_on_the_wrong_calls",
-    guarantee="equivalence (the TPU's form of the window)",
-    defect="the conditional that closes the TPU's window takes its predicate"
-    " negated: windows close on every call but the k-th",
-    edits=(
-      Edit(
-        RUN_ONCE,
-        "  return _as_conditional(body, predicate, carry, invariants)\n",
-        "  return _as_conditional(body, ~predicate, carry, invariants)\n",
-      ),
-    ),
-    tests=(
-      "tests/test_window_form.py::test_the_tpu_window_computes_the_other_platforms_numbers",
-    ),
-  ),
 )

@@ -32,7 +32,7 @@ from ga_optax._src import scopes, validation
 from ga_optax._src.algebra import fp8, parts, weights
 from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.placements import residency
-from ga_optax._src.window import run_once, window_form
+from ga_optax._src.window import run_once
 from ga_optax._src.window import schedule as schedule_lib
 from ga_optax._src.window.output import Carrier
 from ga_optax._src.window.state import AccumulateState, check_state
@@ -73,46 +73,22 @@ def update(
 
   admitted = window.admit(grads, state, weight)
   decision = window.decide(state, admitted, schedule, flush)
-
-  def window_on(tpu: bool) -> tuple[Any, AccumulateState]:
-    micro_step = MicroStep(
-      window,
-      schedule,
-      grads,
-      state,
-      params,
-      weight,
-      admitted,
-      decision,
-      extra_args,
-      accumulator=residency.to_device_after(state.accumulator, grads),
-      fp8_state=fp8_state,
-      tpu=tpu,
-    )
-    return _closed(micro_step)
-
-  if isinstance(schedule, schedule_lib.DeviceScheduled):
-    return window_form.choose_window(
-      tpu=functools.partial(window_on, True),
-      other=functools.partial(window_on, False),
-    )
-  return window_on(False)
-
-
-def _closed(micro_step: MicroStep) -> tuple[Any, AccumulateState]:
-  """The output and the new state: the window closed where it closes."""
-  schedule, decision = micro_step.schedule, micro_step.decision
-  window, state, admitted = (
-    micro_step.window,
-    micro_step.state,
-    micro_step.admitted,
+  micro_step = MicroStep(
+    window,
+    schedule,
+    grads,
+    state,
+    params,
+    weight,
+    admitted,
+    decision,
+    extra_args,
+    accumulator=residency.to_device_after(state.accumulator, grads),
+    fp8_state=fp8_state,
   )
   closing_side = ClosingSide(micro_step)
   closed = schedule.close_window(
-    decision.closes,
-    closing_side.close,
-    closing_side.carry(),
-    conditional=micro_step.tpu,
+    decision.closes, closing_side.close, closing_side.carry()
   )
   output = micro_step.emit(closing_side.output(closed), closed.stepped)
   weight_sum = schedule.cleared(
@@ -183,9 +159,6 @@ class MicroStep:
       float8 state (the gradient of its ``_overwrite_with_gradient``
       collection), which the window's parts see among the gradients as
       Flax variables; None for any other model.
-    tpu: the TPU's window (:func:`window_form.choose_window`): the closing
-      side writes the updates into the gradients' buffer where they fit,
-      which leaves no accumulator to read after the closing branch.
   """
 
   window: Window
@@ -199,7 +172,6 @@ class MicroStep:
   extra_args: dict[str, Any]
   accumulator: optax.Updates
   fp8_state: Any = None
-  tpu: bool = False
 
   @functools.cached_property
   def updates_like(self) -> Any:
@@ -227,13 +199,6 @@ class MicroStep:
         Carrier.ACCUMULATOR: self.accumulator,
         Carrier.GRADS: self.grads,
       }
-      if self.tpu and _same_types(self.grads, self.accumulator):
-        # The gradients' buffers, where their types are the accumulator's
-        # (a sharded or host-kept accumulator keeps the updates instead).
-        carriers = {
-          Carrier.GRADS: self.grads,
-          Carrier.ACCUMULATOR: self.accumulator,
-        }
     return self.window.output.carrier(self.updates_like, carriers)
 
   def added(self, accumulator: optax.Updates, grads: optax.Updates) -> Any:
@@ -300,9 +265,10 @@ class ClosingSide:
   """The side of a micro-step that closes the window.
 
   It reduces the window over the devices, normalises it and steps the
-  wrapped optimizer once (not for a window without weight), writing its
-  output (updates, or new params) into the micro-step's carrier buffer; it
-  closes the window's parts, decides the next k, and zeroes the accumulator.
+  wrapped optimizer once, writing its output (updates, or new params) into
+  the micro-step's carrier buffer; it closes the window's parts, decides
+  the next window's k, and leaves the accumulator at zero. A window that
+  holds no weight closes without a step.
 
   Attributes:
     micro_step: the micro-step it is a side of.
@@ -362,7 +328,10 @@ class ClosingSide:
       functools.partial(self.step_inner, total_weight),
       carry,
       name=scopes.CLOSE_WINDOW,
-      in_order=_selects_in_order(micro_step.carrier),
+      # In order, the new params would all be written before the
+      # optimizer's state, and XLA:CPU would hold every leaf of the new
+      # state at once: slower than the copies it saves (benchmarks/run.py).
+      in_order=micro_step.carrier is not Carrier.PARAMS,
     )
     if micro_step.carrier is not Carrier.ACCUMULATOR:
       # A window without weight leaves its sums: the next starts from zero.
@@ -456,27 +425,6 @@ class ClosingSide:
       every_k=next_k,
       stepped=jnp.ones((), jnp.bool_),
     )
-
-
-def _selects_in_order(carrier: Carrier) -> bool:
-  """Whether the host's weight guard writes its selects in order on the CPU.
-
-  Not where the output is the new params: in order, they would all be
-  written before the optimizer's state, and XLA:CPU would hold every leaf
-  of the new state at once, slower than the copies it saves
-  (benchmarks/run.py).
-  """
-  return carrier is not Carrier.PARAMS
-
-
-def _same_types(tree: Any, like: Any) -> bool:
-  """Whether each leaf of ``tree`` has the type (sharding too) of its twin."""
-  return all(
-    jax.typeof(leaf) == jax.typeof(twin)
-    for leaf, twin in zip(
-      jax.tree.leaves(tree), jax.tree.leaves(like), strict=True
-    )
-  )
 
 
 def _unzip(pairs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -60,7 +60,6 @@ def run_once_if(
   carry: Carry,
   *,
   name: str,
-  conditional: bool = False,
 ) -> Carry:
   """``body(carry)`` where ``predicate`` holds, else ``carry`` untouched.
 
@@ -69,16 +68,13 @@ def run_once_if(
     body: maps ``carry`` to a tree of the same structure, shapes and dtypes.
     carry: what ``body`` reads and writes in place.
     name: the loop's scope, one of :data:`ga_optax._src.scopes.SIDES`.
-    conditional: a ``lax.cond`` on every platform, whatever the form (the
-      TPU's window closes in one, around the loops of its inner branches).
 
   Returns:
     ``body(carry)`` or ``carry``.
   """
   converted, invariants = _closure_converted(body, carry)
-  run = _run_once_as_conditional if conditional else _run_once
   with jax.named_scope(name):
-    return run(converted, jnp.asarray(predicate), carry, invariants)
+    return _run_once(converted, jnp.asarray(predicate), carry, invariants)
 
 
 def emptied_if(
@@ -177,20 +173,6 @@ def _run_once_jvp(
     functools.partial(_as_conditional_on_device, body), primals, tangents
   )
   return primals_out, jax.tree.map(_in_memory_of, tangents_out, primals_out)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _run_once_as_conditional(
-  body: Callable[..., Carry],
-  predicate: jax.Array,
-  carry: Carry,
-  invariants: Sequence[Any],
-) -> Carry:
-  """The branch as a conditional on every platform."""
-  return _as_conditional(body, predicate, carry, invariants)
-
-
-_run_once_as_conditional.defjvp(_run_once_jvp)
 
 
 def _as_conditional_on_device(

@@ -57,14 +57,9 @@ class DeviceScheduled:
     closes: jax.Array,
     close: Callable[[Carry], Carry],
     carry: Carry,
-    *,
-    conditional: bool = False,
   ) -> Carry:
-    """The closing side, where the window closes (in a ``lax.cond`` with
-    ``conditional``: the TPU's window)."""
-    return run_once.run_once_if(
-      closes, close, carry, name=scopes.CLOSE_WINDOW, conditional=conditional
-    )
+    """The closing side, where the window closes."""
+    return run_once.run_once_if(closes, close, carry, name=scopes.CLOSE_WINDOW)
 
   def branch(
     self,

@@ -17,18 +17,6 @@ compiled program:
   read), so this form zeroes it with a select
   (:func:`ga_optax._src.window.run_once.emptied_if`).
 
-On a TPU the window itself differs, not only its branches' form
-(:func:`choose_window`): the closing side writes the updates into the
-micro-step's gradients rather than the accumulator, and the branch that
-closes the window is a conditional around the loops of its inner branches.
-The TPU compiler stages a loop's carried buffers in its on-chip memory
-before the loop and back after it, on every call, whether the loop runs or
-not: the accumulator, read again after the loop to be zeroed, was then
-copied back into the chip's main memory on every micro-step (four
-parameter-sized ``copy`` instructions for a 4-layer MLP), and the
-optimizer's state was staged too. Numbers and state are the same on every
-platform.
-
 The host's schedule (``closing=``) has no branch, and no form.
 
 By default the platform decides, when the step is lowered
@@ -36,8 +24,7 @@ By default the platform decides, when the step is lowered
 other platform the loops. The environment variable
 ``GA_OPTAX_WINDOW_FORM`` (``"loops"`` or ``"conditional"``) pins one form on
 every platform, for the whole process: the tests set it to execute on the
-CPU the program a GPU runs. A pinned form also pins the window every
-platform but the TPU runs. It is read when a step is traced, so set it
+CPU the program a GPU runs. It is read when a step is traced, so set it
 before the first step is traced (a jitted step keeps the form it was
 traced with).
 """
@@ -101,15 +88,3 @@ def choose(
   return jax.lax.platform_dependent(
     index, *operands, cpu=conditional, default=loops
   )
-
-
-def choose_window(*, tpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
-  """``tpu()`` where the step is lowered for a TPU, else ``other()``.
-
-  The device's schedule builds its whole window with one or the other: the
-  two compute the same numbers and the same state. With a form pinned by
-  ``GA_OPTAX_WINDOW_FORM``, ``other()`` on every platform.
-  """
-  if pinned() is not None:
-    return other()
-  return jax.lax.platform_dependent(tpu=tpu, default=other)

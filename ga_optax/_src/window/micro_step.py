@@ -265,10 +265,9 @@ class ClosingSide:
   """The side of a micro-step that closes the window.
 
   It reduces the window over the devices, normalises it and steps the
-  wrapped optimizer once, writing its output (updates, or new params) into
-  the micro-step's carrier buffer; it closes the window's parts, decides
-  the next window's k, and leaves the accumulator at zero. A window that
-  holds no weight closes without a step.
+  wrapped optimizer once (not for a window without weight), writing its
+  output (updates, or new params) into the micro-step's carrier buffer; it
+  closes the window's parts, decides the next k, and zeroes the accumulator.
 
   Attributes:
     micro_step: the micro-step it is a side of.
@@ -328,10 +327,7 @@ class ClosingSide:
       functools.partial(self.step_inner, total_weight),
       carry,
       name=scopes.CLOSE_WINDOW,
-      # In order, the new params would all be written before the
-      # optimizer's state, and XLA:CPU would hold every leaf of the new
-      # state at once: slower than the copies it saves (benchmarks/run.py).
-      in_order=micro_step.carrier is not Carrier.PARAMS,
+      in_order=_selects_in_order(micro_step.carrier),
     )
     if micro_step.carrier is not Carrier.ACCUMULATOR:
       # A window without weight leaves its sums: the next starts from zero.
@@ -425,6 +421,17 @@ class ClosingSide:
       every_k=next_k,
       stepped=jnp.ones((), jnp.bool_),
     )
+
+
+def _selects_in_order(carrier: Carrier) -> bool:
+  """Whether the host's weight guard writes its selects in order on the CPU.
+
+  Not where the output is the new params: in order, they would all be
+  written before the optimizer's state, and XLA:CPU would hold every leaf
+  of the new state at once, slower than the copies it saves
+  (benchmarks/run.py).
+  """
+  return carrier is not Carrier.PARAMS
 
 
 def _unzip(pairs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

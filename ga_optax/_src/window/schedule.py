@@ -119,10 +119,8 @@ class HostScheduled:
     closes: jax.Array,
     close: Callable[[Carry], Carry],
     carry: Carry,
-    *,
-    conditional: bool = False,
   ) -> Carry:
-    del closes, conditional  # the host's word: traced as a constant
+    del closes  # the host's word: traced as a constant
     if not self.closing:
       return carry
     with jax.named_scope(scopes.CLOSE_WINDOW):

@@ -9,12 +9,16 @@ schedule, and the optimizer's state under a plain ``jax.jit`` over a mesh;
 the placements JAX cannot differentiate it under are refused). Differentiated,
 either form traces the derivative rule's conditional (tests/test_window_form.py
 holds both forms' derivatives side by side), so every test here runs once, in
-the run's form: CI's run on the newest jax pins the loops, the other runs the
-conditional.
+the run's form: CI's run on the oldest jax pins the loops, the other runs the
+conditional. Where a test differentiates many calls of a step whose state
+lives in device memory, one ``lax.scan`` drives them, so that the step
+compiles once; JAX differentiates no scan that carries state in host
+memory, and those calls are unrolled.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -217,24 +221,36 @@ def large_batch_final_loss(learning_rate: jax.Array) -> jax.Array:
   return token_mean_loss(params, whole([b for w in WINDOWS for b in w]))
 
 
+@functools.cache
 def expected_derivative() -> jax.Array:
   return jax.grad(large_batch_final_loss)(jnp.asarray(LEARNING_RATE))
 
 
+def stacked_micro_batches(windows: list[list[Any]]) -> dict[str, np.ndarray]:
+  """Every micro-batch of ``windows``, in order, stacked for ``lax.scan``."""
+  batches = [batch for batch, _ in micro_steps(windows, K)]
+  return {name: np.stack([b[name] for b in batches]) for name in batches[0]}
+
+
 def plain_jit_derivative(
-  make: Callable[[Any], optax.GradientTransformation], learning_rate: float
+  make: Callable[[Any], optax.GradientTransformation],
+  learning_rate: float,
+  scanned: bool = True,
 ) -> jax.Array:
   """d/d(rate) of the loss after WINDOWS of ``make(rate)``, under plain jit.
 
   Token-weighted partial sums (``unreduced_value_and_grad``) on an Explicit
-  mesh of DEVICES, the whole step differentiated under ``jax.jit``.
+  mesh of DEVICES, the whole step differentiated under ``jax.jit``: one
+  ``lax.scan`` drives the calls, so that the step compiles once, unless
+  ``scanned`` is false (JAX differentiates no scan that carries state in
+  host memory: those calls are unrolled).
   """
   mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
   value_and_grad = ga_optax.unreduced_value_and_grad(
     token_mean_loss, weight_fn=tokens
   )
   with jax.set_mesh(mesh):
-    batches = [jax.device_put(b, P("data")) for b, _ in micro_steps(WINDOWS, K)]
+    batches = jax.device_put(stacked_micro_batches(WINDOWS), P(None, "data"))
     every_row = jax.device_put(
       whole([b for w in WINDOWS for b in w]), P("data")
     )
@@ -242,12 +258,20 @@ def plain_jit_derivative(
 
     def final_loss(rate: jax.Array) -> jax.Array:
       tx = make(rate)
-      params, state = initial, tx.init(initial)
-      for batch in batches:
+
+      def call(carry, batch):
+        params, state = carry
         _, grads = value_and_grad(params, batch)
         updates, state = tx.update(grads, state, params, weight=tokens(batch))
-        params = optax.apply_updates(params, updates)
-      return token_mean_loss(params, every_row)
+        return (optax.apply_updates(params, updates), state), None
+
+      carry = (initial, tx.init(initial))
+      if scanned:
+        carry, _ = jax.lax.scan(call, carry, batches)
+      else:
+        for index in range(len(WINDOWS) * K):
+          carry, _ = call(carry, jax.tree.map(lambda a, i=index: a[i], batches))
+      return token_mean_loss(carry[0], every_row)
 
     return jax.jit(jax.grad(final_loss))(jnp.float32(learning_rate))
 
@@ -293,17 +317,19 @@ def test_a_shard_map_window_has_the_large_batch_derivative():
     check_vma=False,
   )
   with jax.set_mesh(mesh):
-    batches = [
-      jax.device_put(b, NamedSharding(mesh, P("data")))
-      for b, _ in micro_steps(WINDOWS, K)
-    ]
+    batches = jax.device_put(
+      stacked_micro_batches(WINDOWS), NamedSharding(mesh, P(None, "data"))
+    )
     initial = jax.device_put(init_params(), NamedSharding(mesh, P()))
     every_row = whole([b for w in WINDOWS for b in w])
 
     def final_loss(learning_rate: jax.Array) -> jax.Array:
-      params, state = initial, window_of(LEARNING_RATE).init(initial)
-      for batch in batches:
-        params, state = step(learning_rate, params, state, batch)
+      # One lax.scan drives the calls: the step compiles once.
+      def call(carry, batch):
+        return step(learning_rate, *carry, batch), None
+
+      carry = (initial, window_of(LEARNING_RATE).init(initial))
+      (params, _), _ = jax.lax.scan(call, carry, batches)
       return token_mean_loss(params, every_row)
 
     derivative = jax.jit(jax.grad(final_loss))(jnp.float32(LEARNING_RATE))
@@ -504,7 +530,7 @@ def test_a_plain_jit_window_with_its_optimizer_state_in_host_memory(options):
       **options,
     )
 
-  derivative = plain_jit_derivative(make, 1e-2)
+  derivative = plain_jit_derivative(make, 1e-2, scanned=False)
   expected = jax.grad(lambda lr: host_large_batch(optax.adam, lr, WINDOWS))(
     jnp.float32(1e-2)
   )

@@ -3,22 +3,21 @@
 Each reference differentiates the large batch without ga_optax: ``jax.grad``
 of the loss over the concatenated rows, stepped by the bare optimizer. Each
 test names the defect it guards: a traced micro-batch weight of exactly 0
-(``accumulate``), a ZeRO-1 window's reduce-scatter, a window inside
-``jax.shard_map``, and state kept in host memory (on one device under each
+(``accumulate``), and state kept in host memory (on one device under each
 schedule, and the optimizer's state under a plain ``jax.jit`` over a mesh;
-the placements JAX cannot differentiate it under are refused). Differentiated,
+the placements JAX cannot differentiate it under are refused). Each
+placement's derivative with its state in device memory (a ZeRO-1 window's
+reduce-scatter, a window inside ``jax.shard_map``) is
+tests/test_combinations.py's, every schedule and output of it. Differentiated,
 either form traces the derivative rule's conditional (tests/test_window_form.py
 holds both forms' derivatives side by side), so every test here runs once, in
 the run's form: CI's run on the oldest jax pins the loops, the other runs the
-conditional. Where a test differentiates many calls of a step whose state
-lives in device memory, one ``lax.scan`` drives them, so that the step
-compiles once; JAX differentiates no scan that carries state in host
-memory, and those calls are unrolled.
+conditional. The calls here are unrolled: JAX differentiates no
+``lax.scan`` that carries state in host memory.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +42,6 @@ import ga_optax
 from ga_optax._src.placements import residency
 
 DEVICES, ROWS, K = 8, 2, 3
-LEARNING_RATE = 0.3
 
 
 def assert_derivative_matches(derivative: Any, expected: Any) -> None:
@@ -206,51 +204,30 @@ def test_the_noise_readings_differentiate_on_one_device():
   assert_derivative_matches(derivatives, 2 * values)
 
 
-# The rate's derivative through two windows of token-weighted SGD.
+# Windows of token-weighted micro-batches over DEVICES, for the plain-jit
+# placements below. The derivative through a window under plain jit, ZeRO-1
+# and jax.shard_map with the state in device memory is
+# tests/test_combinations.py's (every placement x schedule x output).
 
 WINDOWS = make_windows((K, K), DEVICES, ROWS, seed=11)
 
 
-def large_batch_final_loss(learning_rate: jax.Array) -> jax.Array:
-  params = init_params()
-  for window in WINDOWS:
-    grads = jax.grad(token_mean_loss)(params, whole(window))
-    params = jax.tree.map(
-      lambda param, grad: param - learning_rate * grad, params, grads
-    )
-  return token_mean_loss(params, whole([b for w in WINDOWS for b in w]))
-
-
-@functools.cache
-def expected_derivative() -> jax.Array:
-  return jax.grad(large_batch_final_loss)(jnp.asarray(LEARNING_RATE))
-
-
-def stacked_micro_batches(windows: list[list[Any]]) -> dict[str, np.ndarray]:
-  """Every micro-batch of ``windows``, in order, stacked for ``lax.scan``."""
-  batches = [batch for batch, _ in micro_steps(windows, K)]
-  return {name: np.stack([b[name] for b in batches]) for name in batches[0]}
-
-
 def plain_jit_derivative(
-  make: Callable[[Any], optax.GradientTransformation],
-  learning_rate: float,
-  scanned: bool = True,
+  make: Callable[[Any], optax.GradientTransformation], learning_rate: float
 ) -> jax.Array:
   """d/d(rate) of the loss after WINDOWS of ``make(rate)``, under plain jit.
 
   Token-weighted partial sums (``unreduced_value_and_grad``) on an Explicit
-  mesh of DEVICES, the whole step differentiated under ``jax.jit``: one
-  ``lax.scan`` drives the calls, so that the step compiles once, unless
-  ``scanned`` is false (JAX differentiates no scan that carries state in
-  host memory: those calls are unrolled).
+  mesh of DEVICES, the whole step differentiated under ``jax.jit``. The
+  calls are unrolled: JAX differentiates no ``lax.scan`` that carries state
+  in host memory.
   """
   mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
   value_and_grad = ga_optax.unreduced_value_and_grad(
     token_mean_loss, weight_fn=tokens
   )
   with jax.set_mesh(mesh):
-    batches = jax.device_put(stacked_micro_batches(WINDOWS), P(None, "data"))
+    batches = [jax.device_put(b, P("data")) for b, _ in micro_steps(WINDOWS, K)]
     every_row = jax.device_put(
       whole([b for w in WINDOWS for b in w]), P("data")
     )
@@ -258,82 +235,14 @@ def plain_jit_derivative(
 
     def final_loss(rate: jax.Array) -> jax.Array:
       tx = make(rate)
-
-      def call(carry, batch):
-        params, state = carry
+      params, state = initial, tx.init(initial)
+      for batch in batches:
         _, grads = value_and_grad(params, batch)
         updates, state = tx.update(grads, state, params, weight=tokens(batch))
-        return (optax.apply_updates(params, updates), state), None
-
-      carry = (initial, tx.init(initial))
-      if scanned:
-        carry, _ = jax.lax.scan(call, carry, batches)
-      else:
-        for index in range(len(WINDOWS) * K):
-          carry, _ = call(carry, jax.tree.map(lambda a, i=index: a[i], batches))
-      return token_mean_loss(carry[0], every_row)
-
-    return jax.jit(jax.grad(final_loss))(jnp.float32(learning_rate))
-
-
-@pytest.mark.devices(DEVICES)
-@pytest.mark.parametrize(
-  "options",
-  [{}, {"inner_state_axes": "data"}],
-  ids=["unreduced", "zero1"],
-)
-def test_a_plain_jit_window_has_the_large_batch_derivative(options):
-  def make(rate: jax.Array) -> optax.GradientTransformation:
-    return ga_optax.accumulate(
-      optax.sgd(rate), K, unreduced_axes="data", **options
-    )
-
-  derivative = plain_jit_derivative(make, LEARNING_RATE)
-  assert_derivative_matches(derivative, expected_derivative())
-
-
-@pytest.mark.devices(DEVICES)
-def test_a_shard_map_window_has_the_large_batch_derivative():
-  # Jitted only: shard_map stages its body out as a jaxpr eagerly too, so an
-  # eager jax.grad traces the same window (at 200 s a form on 2 CPU cores).
-  mesh = jax.make_mesh((DEVICES,), ("data",))
-
-  def window_of(learning_rate: Any) -> optax.GradientTransformation:
-    return ga_optax.accumulate(optax.sgd(learning_rate), K, axis_name="data")
-
-  def local(learning_rate, params, state, batch):
-    # The rate enters as an argument: a shard_map cannot close over a
-    # value typed with the mesh's Explicit axes.
-    tx = window_of(learning_rate)
-    grads = jax.grad(token_mean_loss)(params, batch)
-    updates, state = tx.update(grads, state, params, weight=tokens(batch))
-    return optax.apply_updates(params, updates), state
-
-  step = jax.shard_map(
-    local,
-    mesh=mesh,
-    in_specs=(P(), P(), P(), P("data")),
-    out_specs=(P(), P()),
-    check_vma=False,
-  )
-  with jax.set_mesh(mesh):
-    batches = jax.device_put(
-      stacked_micro_batches(WINDOWS), NamedSharding(mesh, P(None, "data"))
-    )
-    initial = jax.device_put(init_params(), NamedSharding(mesh, P()))
-    every_row = whole([b for w in WINDOWS for b in w])
-
-    def final_loss(learning_rate: jax.Array) -> jax.Array:
-      # One lax.scan drives the calls: the step compiles once.
-      def call(carry, batch):
-        return step(learning_rate, *carry, batch), None
-
-      carry = (initial, window_of(LEARNING_RATE).init(initial))
-      (params, _), _ = jax.lax.scan(call, carry, batches)
+        params = optax.apply_updates(params, updates)
       return token_mean_loss(params, every_row)
 
-    derivative = jax.jit(jax.grad(final_loss))(jnp.float32(LEARNING_RATE))
-  assert_derivative_matches(derivative, expected_derivative())
+    return jax.jit(jax.grad(final_loss))(jnp.float32(learning_rate))
 
 
 # State in host memory, on one device.
@@ -530,7 +439,7 @@ def test_a_plain_jit_window_with_its_optimizer_state_in_host_memory(options):
       **options,
     )
 
-  derivative = plain_jit_derivative(make, 1e-2, scanned=False)
+  derivative = plain_jit_derivative(make, 1e-2)
   expected = jax.grad(lambda lr: host_large_batch(optax.adam, lr, WINDOWS))(
     jnp.float32(1e-2)
   )

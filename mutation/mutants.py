@@ -136,7 +136,7 @@ MUTANTS: tuple[Mutant, ...] = (
       Edit(
         MICRO_STEP,
         "scale = weights.reciprocal(total_weight)",
-        "scale = micro_step.decision.micro_step / (\n        total_weight * micro_step.decision.every_k\n      )",
+        "scale = call.decision.micro_step / (\n        total_weight * call.decision.every_k\n      )",
       ),
     ),
     tests=(
@@ -328,7 +328,7 @@ MUTANTS: tuple[Mutant, ...] = (
       Edit(
         MICRO_STEP,
         "      accumulator=accumulator,\n",
-        "      accumulator=micro_step.accumulator,\n",
+        "      accumulator=call.accumulator,\n",
       ),
     ),
     tests=(
@@ -346,7 +346,7 @@ MUTANTS: tuple[Mutant, ...] = (
       Edit(
         MICRO_STEP,
         "      parts=added_parts,\n",
-        "      parts=micro_step.state.parts,\n",
+        "      parts=call.state.parts,\n",
       ),
     ),
     tests=("tests/test_noise_scale.py::test_one_device_matches_numpy",),
@@ -599,8 +599,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "    accumulator=window.accumulator_home.keep(\n      micro_step.cleared(closed.accumulator)\n    ),\n",
-        "    accumulator=micro_step.cleared(closed.accumulator),\n",
+        "    accumulator=window.accumulator_home.keep(call.cleared(closed.accumulator)),\n",
+        "    accumulator=call.cleared(closed.accumulator),\n",
       ),
     ),
     tests=(
@@ -700,8 +700,8 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "        update_step=increment_if(\n          micro_step.state.update_step, jnp.asarray(True)\n        ),",
-        "        update_step=micro_step.state.update_step,",
+        "        update_step=increment_if(call.state.update_step, jnp.asarray(True)),",
+        "        update_step=call.state.update_step,",
       ),
     ),
     tests=(
@@ -1252,7 +1252,7 @@ MUTANTS: tuple[Mutant, ...] = (
       Edit(
         MICRO_STEP,
         "    window, admitted = self.window, self.admitted\n",
-        "    if self.window.parallel.unreduced_axes:\n      from ga_optax._src.placements import axes as axes_lib\n\n      grads = axes_lib.cast_to_unreduced(\n        axes_lib.reduce_unreduced(grads, None),\n        self.window.parallel.unreduced_axes,\n      )\n    window, admitted = self.window, self.admitted\n",
+        "    if self.window.placement.unreduced_axes:\n      from ga_optax._src.placements import axes as axes_lib\n\n      grads = axes_lib.cast_to_unreduced(\n        axes_lib.reduce_unreduced(grads, None),\n        self.window.placement.unreduced_axes,\n      )\n    window, admitted = self.window, self.admitted\n",
       ),
     ),
     tests=(
@@ -2098,9 +2098,9 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "    if micro_step.carrier is not Carrier.ACCUMULATOR:\n"
+        "    if call.carrier is not Carrier.ACCUMULATOR:\n"
         "      # A window without weight",
-        "    if micro_step.carrier is not Carrier.ACCUMULATOR and isinstance(\n"
+        "    if call.carrier is not Carrier.ACCUMULATOR and isinstance(\n"
         "      schedule, schedule_lib.DeviceScheduled\n"
         "    ):\n"
         "      # A window without weight",

@@ -2,7 +2,7 @@
 
 A window's micro-steps may run on several devices at once, each adding its
 own gradients. Where the partial sums live and how the window's one
-reduction runs is a :class:`Parallel` strategy, chosen once from the
+reduction runs is a :class:`Placement` strategy, chosen once from the
 arguments of :func:`ga_optax.accumulate` by :func:`resolve`:
 
 * :class:`~ga_optax._src.placements.local.Local`: one device, or gradients
@@ -19,8 +19,8 @@ arguments of :func:`ga_optax.accumulate` by :func:`resolve`:
 The window calls every method unconditionally; a strategy with nothing to
 do returns its input. A part of the window algebra
 (:mod:`ga_optax._src.algebra.parts`) reads what a device's micro-gradients
-are through :meth:`Parallel.own_gradients` and is combined over the devices
-through :meth:`Parallel.combine`: a strategy never learns which part it
+are through :meth:`Placement.own_gradients` and is combined over the devices
+through :meth:`Placement.combine`: a strategy never learns which part it
 holds.
 """
 
@@ -39,7 +39,7 @@ from ga_optax._src.placements.local import Local
 from ga_optax._src.placements.unreduced import Unreduced, WholeState
 
 
-class Parallel(Protocol):
+class Placement(Protocol):
   """How a window spread over devices is kept, checked and reduced."""
 
   def window_weight(self, weight_sum: jax.Array) -> jax.Array:
@@ -124,7 +124,7 @@ class Parallel(Protocol):
 
 def resolve(
   axis_name: Any, unreduced_axes: Any, inner_state_axes: Any
-) -> Parallel:
+) -> Placement:
   """The strategy the three multi-device arguments of ``accumulate`` ask for.
 
   Raises:

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from ga_optax._src import eager, validation
-from ga_optax._src import placements as parallel
+from ga_optax._src import eager, placements, validation
 from ga_optax._src.algebra import fp8, noise_scale, parts, weights
 from ga_optax._src.batch_size import adaptive
 from ga_optax._src.batch_size import every_k as every_k_lib
@@ -81,7 +80,7 @@ def resolve(
   precision.warn_if_accumulator_too_narrow(
     accumulator_dtype, every_k, stacklevel=3
   )
-  placement = parallel.resolve(axis_name, unreduced_axes, inner_state_axes)
+  placement = placements.resolve(axis_name, unreduced_axes, inner_state_axes)
   accumulator_home, inner_state_home = _homes(
     placement,
     axis_name=axis_name,
@@ -96,7 +95,7 @@ def resolve(
     reduction=reduction,
     accumulator_dtype=accumulator_dtype,
     skip_nonfinite=skip_nonfinite,
-    parallel=placement,
+    placement=placement,
     accumulator_home=accumulator_home,
     inner_state_home=inner_state_home,
     output=output,

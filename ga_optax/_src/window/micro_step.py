@@ -2,7 +2,7 @@
 
 :func:`update` is the window's ``update``: :meth:`Window.admit` says whether
 the micro-step counts and with what weight, :meth:`Window.decide` whether
-the window closes, :class:`MicroStep` adds the weighted gradient into the
+the window closes, :class:`Call` adds the weighted gradient into the
 accumulator, and :class:`ClosingSide` closes the window (reduce over the
 devices, normalise, step the wrapped optimizer once, leave the accumulator
 at zero). Who decides whether the closing side runs is the schedule
@@ -57,7 +57,7 @@ def update(
   window.inner_state_home.check_kept(state.inner_state)
   fp8.refuse_as_gradients(grads)
   validation.check_grads_match(
-    grads, state.accumulator, window.parallel.unreduced_axes
+    grads, state.accumulator, window.placement.unreduced_axes
   )
   weight = weights.check(weight)
   flush = validation.check_flush(flush)
@@ -69,11 +69,11 @@ def update(
       f" what it holds, as a flush does), got flush={flush!r} with"
       f" closing={closing!r}."
     )
-  window.parallel.check_update(grads, weight)
+  window.placement.check_update(grads, weight)
 
   admitted = window.admit(grads, state, weight)
   decision = window.decide(state, admitted, schedule, flush)
-  micro_step = MicroStep(
+  call = Call(
     window,
     schedule,
     grads,
@@ -86,11 +86,11 @@ def update(
     accumulator=residency.to_device_after(state.accumulator, grads),
     fp8_state=fp8_state,
   )
-  closing_side = ClosingSide(micro_step)
+  closing_side = ClosingSide(call)
   closed = schedule.close_window(
     decision.closes, closing_side.close, closing_side.carry()
   )
-  output = micro_step.emit(closing_side.output(closed), closed.stepped)
+  output = call.emit(closing_side.output(closed), closed.stepped)
   weight_sum = schedule.cleared(
     decision.closes, admitted.weight_sum, admitted.weight_sum
   )
@@ -103,9 +103,7 @@ def update(
     num_skipped=increment_if(state.num_skipped, ~admitted.accepted),
     emitted=schedule.emitted(closed.stepped, weight_sum),
     weight_sum=weight_sum,
-    accumulator=window.accumulator_home.keep(
-      micro_step.cleared(closed.accumulator)
-    ),
+    accumulator=window.accumulator_home.keep(call.cleared(closed.accumulator)),
     inner_state=closed.inner_state,
     parts=closed.parts,
   )
@@ -137,7 +135,7 @@ class Carry(NamedTuple):
 
 
 @dataclasses.dataclass
-class MicroStep:
+class Call:
   """One ``update`` call: what the closing side reads, and the add.
 
   Attributes:
@@ -176,11 +174,11 @@ class MicroStep:
   @functools.cached_property
   def updates_like(self) -> Any:
     """Shapes and dtypes of the inner optimizer's updates for these grads."""
-    parallel = self.window.parallel
+    placement = self.window.placement
 
     def inner_updates(grads: Any) -> Any:
-      reduced = parallel.reduce(grads, self.params)
-      return parallel.inner_update(
+      reduced = placement.reduce(grads, self.params)
+      return placement.inner_update(
         self.window.inner,
         reduced,
         residency.to_device(self.state.inner_state),
@@ -194,7 +192,7 @@ class MicroStep:
   def carrier(self) -> Carrier:
     """The buffer the closing side writes its output into."""
     carriers = {}
-    if self.window.parallel.carries_updates and self.schedule.carries_buffers:
+    if self.window.placement.carries_updates and self.schedule.carries_buffers:
       carriers = {
         Carrier.ACCUMULATOR: self.accumulator,
         Carrier.GRADS: self.grads,
@@ -209,7 +207,7 @@ class MicroStep:
     the gradient's matrix product ends.
     """
     window, admitted = self.window, self.admitted
-    weight = window.parallel.factor(self.weight)
+    weight = window.placement.factor(self.weight)
 
     def add_grad(total: jax.Array, grad: jax.Array) -> jax.Array:
       added = total + weights.weighted(grad, weight, total.dtype)
@@ -228,7 +226,7 @@ class MicroStep:
       fp8.join_variables({}, self.grads, self.fp8_state),
       self.weight,
       self.admitted.accepted,
-      functools.partial(window.parallel.own_gradients, self.grads),
+      functools.partial(window.placement.own_gradients, self.grads),
     )
     return tuple(
       part.add(value, micro_batch)
@@ -254,7 +252,7 @@ class MicroStep:
       return accumulator
     return run_once.emptied_if(
       self.decision.closes,
-      self.window.parallel.emptied,
+      self.window.placement.emptied,
       accumulator,
       name=scopes.CLOSE_WINDOW,
     )
@@ -270,66 +268,64 @@ class ClosingSide:
   closes the window's parts, decides the next k, and zeroes the accumulator.
 
   Attributes:
-    micro_step: the micro-step it is a side of.
+    call: the call it is a side of.
   """
 
-  micro_step: MicroStep
+  call: Call
 
   def carry(self) -> Carry:
     """The gradient added, outside any branch, and what closing may write."""
-    micro_step = self.micro_step
+    call = self.call
     with jax.named_scope(scopes.KEEP_OPEN):
-      accumulator = micro_step.added(micro_step.accumulator, micro_step.grads)
-      added_parts = micro_step.added_parts()
+      accumulator = call.added(call.accumulator, call.grads)
+      added_parts = call.added_parts()
     return Carry(
       accumulator=accumulator,
-      inner_state=micro_step.window.inner_state_home.keep(
-        micro_step.state.inner_state
-      ),
+      inner_state=call.window.inner_state_home.keep(call.state.inner_state),
       parts=added_parts,
-      every_k=micro_step.state.every_k,
+      every_k=call.state.every_k,
       stepped=jnp.zeros((), jnp.bool_),
       output=self.initial_output(),
     )
 
   def initial_output(self) -> Any:
     """The output's buffer as the closing side finds it."""
-    micro_step = self.micro_step
-    match micro_step.carrier:
+    call = self.call
+    match call.carrier:
       case Carrier.GRADS:
-        return micro_step.grads
+        return call.grads
       case Carrier.PARAMS:
-        return micro_step.params
+        return call.params
       case Carrier.ZEROS:
-        return optax.tree.zeros_like(micro_step.updates_like)
+        return optax.tree.zeros_like(call.updates_like)
     return None  # the accumulator: carried as such
 
   def output(self, carry: Carry) -> Any:
     """The output's buffer in ``carry``."""
-    if self.micro_step.carrier is Carrier.ACCUMULATOR:
+    if self.call.carrier is Carrier.ACCUMULATOR:
       return carry.accumulator
     return carry.output
 
   def with_output(self, carry: Carry, output: Any) -> Carry:
     """``carry`` with ``output`` written into the output's buffer."""
-    if self.micro_step.carrier is Carrier.ACCUMULATOR:
+    if self.call.carrier is Carrier.ACCUMULATOR:
       return carry._replace(accumulator=output)
     return carry._replace(output=output)
 
   def close(self, carry: Carry) -> Carry:
     """The closing side: step the optimizer once if the window has weight."""
-    micro_step = self.micro_step
-    window, schedule = micro_step.window, micro_step.schedule
-    total_weight = window.parallel.window_weight(micro_step.admitted.weight_sum)
+    call = self.call
+    window, schedule = call.window, call.schedule
+    total_weight = window.placement.window_weight(call.admitted.weight_sum)
     has_weight = weights.has_weight(total_weight)
     closed = schedule.branch(
       has_weight,
       functools.partial(self.step_inner, total_weight),
       carry,
       name=scopes.CLOSE_WINDOW,
-      in_order=_selects_in_order(micro_step.carrier),
+      in_order=_selects_in_order(call.carrier),
     )
-    if micro_step.carrier is not Carrier.ACCUMULATOR:
+    if call.carrier is not Carrier.ACCUMULATOR:
       # A window without weight leaves its sums: the next starts from zero.
       closed = schedule.branch(
         ~has_weight, self.emptied, closed, name=scopes.EMPTY_WINDOW
@@ -343,17 +339,17 @@ class ClosingSide:
 
   def emptied(self, carry: Carry) -> Carry:
     """``carry`` with its accumulator at zero, written in place."""
-    parallel = self.micro_step.window.parallel
-    return carry._replace(accumulator=parallel.emptied(carry.accumulator))
+    placement = self.call.window.placement
+    return carry._replace(accumulator=placement.emptied(carry.accumulator))
 
   def mean(self, sums: Any, total_weight: jax.Array) -> Any:
     """The window's reduced gradient, in the gradients' dtypes."""
-    micro_step = self.micro_step
-    if micro_step.window.reduction == "mean":
+    call = self.call
+    if call.window.reduction == "mean":
       scale = weights.reciprocal(total_weight)
       sums = jax.tree.map(lambda total: total * scale.astype(total.dtype), sums)
     return jax.tree.map(
-      lambda total, grad: total.astype(grad.dtype), sums, micro_step.grads
+      lambda total, grad: total.astype(grad.dtype), sums, call.grads
     )
 
   def step_inner(self, total_weight: jax.Array, carry: Carry) -> Carry:
@@ -363,27 +359,23 @@ class ClosingSide:
     optimizer's own pass over the sums, which then leaves the accumulator
     at zero (unless its buffer carries the updates out).
     """
-    micro_step = self.micro_step
-    window, decision = micro_step.window, micro_step.decision
-    params = (
-      carry.output
-      if micro_step.carrier is Carrier.PARAMS
-      else micro_step.params
-    )
+    call = self.call
+    window, decision = call.window, call.decision
+    params = carry.output if call.carrier is Carrier.PARAMS else call.params
     # Reduced here, from the carry: the one reduction of the window runs
     # only where it steps, and reads the buffer it then overwrites.
     reduced = self.mean(
-      window.parallel.reduce(carry.accumulator, params), total_weight
+      window.placement.reduce(carry.accumulator, params), total_weight
     )
     # A state kept in host memory visits the device here, and only here.
     inner_state = residency.to_device(carry.inner_state)
     # Differentiated only where the window has weight (the host's
     # schedule steps a window without weight too, then selects it away).
-    stepped_grads, stepped_state = micro_step.schedule.stepped_on(
+    stepped_grads, stepped_state = call.schedule.stepped_on(
       weights.has_weight(total_weight), (reduced, inner_state)
     )
-    updates, new_inner_state = window.parallel.inner_update(
-      window.inner, stepped_grads, stepped_state, params, micro_step.extra_args
+    updates, new_inner_state = window.placement.inner_update(
+      window.inner, stepped_grads, stepped_state, params, call.extra_args
     )
     updates = window.lr_scaling.apply(
       updates, decision.every_k, window.window_length.first()
@@ -391,7 +383,7 @@ class ClosingSide:
     # Each part reads the window over every device; the wrapped optimizer's
     # states tell a loss scale, and a window it dropped.
     closing = parts.WindowClosing(
-      reduced, total_weight, window.parallel, (inner_state, new_inner_state)
+      reduced, total_weight, window.placement, (inner_state, new_inner_state)
     )
     values, reports = _unzip(
       part.close(value, closing)
@@ -405,9 +397,7 @@ class ClosingSide:
     next_k = window.window_length.next(
       parts.ClosedWindow(
         k=decision.every_k,
-        update_step=increment_if(
-          micro_step.state.update_step, jnp.asarray(True)
-        ),
+        update_step=increment_if(call.state.update_step, jnp.asarray(True)),
         weight=total_weight,
         full=decision.micro_steps >= decision.every_k,
         reports=reports,

@@ -25,7 +25,7 @@ from ga_optax._src.algebra import dtypes, fp8, parts
 from ga_optax._src.algebra.counters import increment_if
 from ga_optax._src.batch_size import adaptive, every_k
 from ga_optax._src.mixed_precision import precision
-from ga_optax._src.placements import Parallel, residency
+from ga_optax._src.placements import Placement, residency
 from ga_optax._src.window.output import ApplyToParams, EmitUpdates
 from ga_optax._src.window.state import AccumulateState
 
@@ -63,7 +63,7 @@ class Window:
     reduction: ``"mean"`` or ``"sum"``.
     accumulator_dtype: floating dtype of the accumulator.
     skip_nonfinite: drop micro-steps whose gradients are not finite.
-    parallel: where the window lives across devices, and its reduction.
+    placement: where the window lives across devices, and its reduction.
     accumulator_home: where the accumulator is kept between calls.
     inner_state_home: where the wrapped optimizer's state is kept.
     output: what a call returns (updates, or new params).
@@ -77,7 +77,7 @@ class Window:
   reduction: str
   accumulator_dtype: jnp.dtype
   skip_nonfinite: bool
-  parallel: Parallel
+  placement: Placement
   accumulator_home: residency.Residency
   inner_state_home: residency.Residency
   output: EmitUpdates | ApplyToParams
@@ -95,7 +95,7 @@ class Window:
     ``optax.lookahead``'s params (then like the fast ones).
     """
     validation.check_array_leaves(params, "params")
-    self.parallel.check_init()
+    self.placement.check_init()
     variables = params
     params = fp8.split_variables(variables)[0]
     trained = (
@@ -110,7 +110,7 @@ class Window:
     inner_state = self.inner.init(params)
     # Points at the user's call of init.
     precision.warn_if_state_range_too_narrow(inner_state)
-    inner_state = self.parallel.place_state(self.inner, inner_state, params)
+    inner_state = self.placement.place_state(self.inner, inner_state, params)
     # The state's arrays that JAX has not placed (scalars such as Adam's
     # count) follow the params' devices into the memory kind.
     unplaced = residency.replicated_over(params)
@@ -122,10 +122,10 @@ class Window:
       emitted=jnp.zeros((), jnp.bool_),
       weight_sum=jnp.zeros((), self.weight_dtype),
       accumulator=self.accumulator_home.keep(
-        self.parallel.init_accumulator(accumulator), unplaced=unplaced
+        self.placement.init_accumulator(accumulator), unplaced=unplaced
       ),
       inner_state=self.inner_state_home.keep(inner_state, unplaced=unplaced),
-      parts=tuple(part.init(self.parallel, variables) for part in self.parts),
+      parts=tuple(part.init(self.placement, variables) for part in self.parts),
     )
 
   def admit(
@@ -135,7 +135,7 @@ class Window:
     weight_sum = state.weight_sum + jnp.asarray(weight, self.weight_dtype)
     if not self.skip_nonfinite:
       return Admitted(jnp.asarray(True), weight_sum)
-    accepted = self.parallel.all_finite(grads)
+    accepted = self.placement.all_finite(grads)
     return Admitted(accepted, jnp.where(accepted, weight_sum, state.weight_sum))
 
   def decide(

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import token_mean_loss, tokens
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from token_windows import token_mean_loss, tokens
 
 import ga_optax
 

@@ -7,7 +7,7 @@ coordinator on 127.0.0.1::
   python tests/multihost_worker.py MODE PROCESS_ID PORT OUTPUT.npz
 
 Every process feeds only its own devices' rows of each micro-batch (the
-token-weighted windows of tests/token_windows.py, one closed by a flush),
+token-weighted windows of tests/helpers.py, one closed by a flush),
 accumulates without a collective, and all processes reduce once per window
 over gloo (JAX's CPU collectives). ``MODE`` is the way the step is written:
 
@@ -49,8 +49,8 @@ def local_rows(batch: dict[str, np.ndarray], process_id: int) -> Any:
 
 
 def shard_map_step(tx: Any, mesh: Any) -> Any:
+  from helpers import token_mean_loss, tokens
   from jax.sharding import PartitionSpec as P
-  from token_windows import token_mean_loss, tokens
 
   def device_step(params, state, batch, flush):
     grads = jax.grad(token_mean_loss)(params, batch)
@@ -71,7 +71,7 @@ def shard_map_step(tx: Any, mesh: Any) -> Any:
 
 
 def plain_jit_step(tx: Any) -> Any:
-  from token_windows import token_mean_loss, tokens
+  from helpers import token_mean_loss, tokens
 
   import ga_optax
 
@@ -101,9 +101,9 @@ def main(mode: str, process_id: int, port: int, output: str) -> None:
   # Local imports: nothing may touch devices before initialize.
   from contextlib import nullcontext
 
+  from helpers import SGD, init_params, make_windows, micro_steps
   from jax.sharding import AxisType, Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
-  from token_windows import SGD, init_params, make_windows, micro_steps
 
   import ga_optax
 

@@ -18,12 +18,12 @@ import sys
 
 import checkpoint_run
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-import token_windows
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -140,15 +140,15 @@ def test_data_parallel_checkpoints_resume_only_from_window_boundaries(
   flush), against the large batch computed without ga_optax.
   """
   every_k, devices = 3, 2
-  windows = token_windows.make_windows((3, 2, 3), devices, 2, seed=30)
-  run = list(token_windows.micro_steps(windows, every_k))
+  windows = helpers.make_windows((3, 2, 3), devices, 2, seed=30)
+  run = list(helpers.micro_steps(windows, every_k))
   mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
-  tx = ga_optax.accumulate(token_windows.SGD, every_k, axis_name="data")
+  tx = ga_optax.accumulate(helpers.SGD, every_k, axis_name="data")
 
   def device_step(params, state, batch, flush):
-    grads = jax.grad(token_windows.token_mean_loss)(params, batch)
+    grads = jax.grad(helpers.token_mean_loss)(params, batch)
     updates, state = tx.update(
-      grads, state, params, weight=token_windows.tokens(batch), flush=flush
+      grads, state, params, weight=helpers.tokens(batch), flush=flush
     )
     return optax.apply_updates(params, updates), state
 
@@ -171,7 +171,7 @@ def test_data_parallel_checkpoints_resume_only_from_window_boundaries(
 
   # After the first window (a boundary) and one micro-step later.
   positions = {"boundary": 3, "mid_window": 4}
-  params = token_windows.init_params()
+  params = helpers.init_params()
   state = tx.init(params)
   target = jax.eval_shape(lambda: (params, state))
   with ocp.StandardCheckpointer() as checkpointer:
@@ -188,14 +188,14 @@ def test_data_parallel_checkpoints_resume_only_from_window_boundaries(
       name: resume(*checkpointer.restore(tmp_path / name, target), position)
       for name, position in positions.items()
     }
-  expected = token_windows.large_batch_reference(
-    token_windows.SGD, token_windows.init_params(), windows
+  expected = helpers.large_batch_reference(
+    helpers.SGD, helpers.init_params(), windows
   )
-  token_windows.assert_finite_and_close(current[0], expected)
+  helpers.assert_finite_and_close(current[0], expected)
   chex.assert_tree_all_finite(current)
   chex.assert_trees_all_equal(resumed["boundary"], current)
   # Mid-window, the other device's partial sum was lost: the run ends
   # elsewhere (finite, so the difference is not NaN against NaN).
   chex.assert_tree_all_finite(resumed["mid_window"][0])
   with pytest.raises(AssertionError):
-    token_windows.assert_finite_and_close(resumed["mid_window"][0], expected)
+    helpers.assert_finite_and_close(resumed["mid_window"][0], expected)

@@ -40,9 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-from token_windows import (
+from helpers import (
   IN,
   OUT,
   assert_finite_and_close,
@@ -53,6 +51,8 @@ from token_windows import (
   tokens,
   whole,
 )
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ga_optax
 

@@ -31,9 +31,9 @@ import functools
 from typing import Any, NamedTuple
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
-import linear_case
 import numpy as np
 import optax
 import pytest
@@ -604,7 +604,9 @@ def test_complex_params_accumulate_like_adam_on_the_window_mean(path):
     ) / len(batches)
     updates, expected_state = inner.update(mean_grads, expected_state, expected)
     expected = optax.apply_updates(expected, updates)
-    linear_case.assert_finite_and_close(params, expected)
+    helpers.assert_finite_and_close(
+      params, expected, rtol=1e-5, atol=1e-6, same_shapes_and_dtypes=True
+    )
   # The imaginary parts moved too: they were not dropped along the way.
   assert float(jnp.max(jnp.abs(params.imag - _complex((3, 2), 0).imag))) > 0.1
 
@@ -624,5 +626,9 @@ def test_complex_params_microbatched_equal_value_and_grad(use_jit):
   )
   assert grads.dtype == jnp.complex64
   assert float(jnp.max(jnp.abs(expected_grads.imag))) > 0.1
-  linear_case.assert_finite_and_close(grads, expected_grads)
-  linear_case.assert_finite_and_close(value, expected_value)
+  helpers.assert_finite_and_close(
+    grads, expected_grads, rtol=1e-5, atol=1e-6, same_shapes_and_dtypes=True
+  )
+  helpers.assert_finite_and_close(
+    value, expected_value, rtol=1e-5, atol=1e-6, same_shapes_and_dtypes=True
+  )

@@ -22,9 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from token_windows import (
+from helpers import (
   SGD,
   assert_finite_and_close,
   init_params,
@@ -33,6 +31,8 @@ from token_windows import (
   token_mean_loss,
   tokens,
 )
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ga_optax
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import chex
-import flax_cases
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,9 +50,9 @@ class TinyLm(nn.Module):
   @nn.compact
   def __call__(self, tokens, mask):
     norm = functools.partial(nn.LayerNorm, use_bias=False, use_scale=False)
-    x = nn.Embed(flax_cases.VOCAB, 16)(tokens)
+    x = nn.Embed(helpers.VOCAB, 16)(tokens)
     x = x + self.param(
-      "position", nn.initializers.normal(0.02), (flax_cases.SEQ_LEN, 16)
+      "position", nn.initializers.normal(0.02), (helpers.SEQ_LEN, 16)
     )
     attention_mask = nn.combine_masks(
       nn.make_causal_mask(tokens), nn.make_attention_mask(mask, mask)
@@ -62,7 +62,7 @@ class TinyLm(nn.Module):
     )
     hidden = nn.gelu(nn.Dense(32, use_bias=False)(norm()(x)))
     x = x + nn.Dense(16, use_bias=False)(hidden)
-    return nn.Dense(flax_cases.VOCAB)(norm()(x))
+    return nn.Dense(helpers.VOCAB)(norm()(x))
 
 
 def _classification_loss(model: nn.Module):
@@ -96,28 +96,28 @@ Case = tuple[nn.Module, Callable[..., Any], Callable[..., Any], Any, Any]
 def _case(name: str) -> Case:
   if name == "mlp":
     model: nn.Module = Mlp()
-    data = flax_cases.classification_data((5,), key=1)
+    data = helpers.classification_data((5,), key=1)
     return (
       model,
       _classification_loss(model),
-      flax_cases.samples,
+      helpers.samples,
       data,
       data["x"][:1],
     )
   if name == "cnn":
     model = Cnn()
-    data = flax_cases.classification_data((8, 8, 1), key=2)
+    data = helpers.classification_data((8, 8, 1), key=2)
     return (
       model,
       _classification_loss(model),
-      flax_cases.samples,
+      helpers.samples,
       data,
       data["x"][:1],
     )
   model = TinyLm()
-  data = flax_cases.lm_data()
+  data = helpers.lm_data()
   example = (data["tokens"][:1], data["mask"][:1])
-  return model, _lm_loss(model), flax_cases.lm_tokens, data, example
+  return model, _lm_loss(model), helpers.lm_tokens, data, example
 
 
 def _init(model: nn.Module, example: Any) -> Any:
@@ -132,7 +132,7 @@ def _fresh(params: Any) -> Any:
 
 def _train_large_batch(loss_fn, params, data):
   state = train_state.TrainState.create(
-    apply_fn=None, params=_fresh(params), tx=flax_cases.optimizer()
+    apply_fn=None, params=_fresh(params), tx=helpers.flax_optimizer()
   )
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -140,7 +140,7 @@ def _train_large_batch(loss_fn, params, data):
     grads = jax.grad(loss_fn)(state.params, batch)
     return state.apply_gradients(grads=grads)
 
-  for batch in flax_cases.windows(data):
+  for batch in helpers.flax_windows(data):
     state = step(state, batch)
   return state
 
@@ -149,7 +149,7 @@ def _train_per_call(loss_fn, weight_fn, params, data):
   state = train_state.TrainState.create(
     apply_fn=None,
     params=_fresh(params),
-    tx=ga_optax.accumulate(flax_cases.optimizer(), flax_cases.MICRO_BATCHES),
+    tx=ga_optax.accumulate(helpers.flax_optimizer(), helpers.MICRO_BATCHES),
   )
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -157,8 +157,8 @@ def _train_per_call(loss_fn, weight_fn, params, data):
     grads = jax.grad(loss_fn)(state.params, microbatch)
     return ga_optax.apply_gradients(state, grads, weight=weight_fn(microbatch))
 
-  for batch in flax_cases.windows(data):
-    for microbatch in flax_cases.microbatches(batch):
+  for batch in helpers.flax_windows(data):
+    for microbatch in helpers.flax_microbatches(batch):
       state = step(state, microbatch)
   return state
 
@@ -168,7 +168,7 @@ def _train_host_scheduled(loss_fn, weight_fn, params, data):
   state = train_state.TrainState.create(
     apply_fn=None,
     params=_fresh(params),
-    tx=ga_optax.accumulate(flax_cases.optimizer(), flax_cases.MICRO_BATCHES),
+    tx=ga_optax.accumulate(helpers.flax_optimizer(), helpers.MICRO_BATCHES),
   )
 
   @functools.partial(jax.jit, donate_argnums=0, static_argnames="closing")
@@ -178,8 +178,8 @@ def _train_host_scheduled(loss_fn, weight_fn, params, data):
       state, grads, weight=weight_fn(microbatch), closing=closing
     )
 
-  for batch in flax_cases.windows(data):
-    microbatches = list(flax_cases.microbatches(batch))
+  for batch in helpers.flax_windows(data):
+    microbatches = list(helpers.flax_microbatches(batch))
     for index, microbatch in enumerate(microbatches):
       state = step(state, microbatch, closing=index == len(microbatches) - 1)
   return state
@@ -187,10 +187,10 @@ def _train_host_scheduled(loss_fn, weight_fn, params, data):
 
 def _train_in_step(loss_fn, weight_fn, params, data):
   state = train_state.TrainState.create(
-    apply_fn=None, params=_fresh(params), tx=flax_cases.optimizer()
+    apply_fn=None, params=_fresh(params), tx=helpers.flax_optimizer()
   )
   value_and_grad = ga_optax.microbatched_value_and_grad(
-    loss_fn, flax_cases.MICRO_BATCHES, weight_fn=weight_fn
+    loss_fn, helpers.MICRO_BATCHES, weight_fn=weight_fn
   )
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -198,7 +198,7 @@ def _train_in_step(loss_fn, weight_fn, params, data):
     _, grads = value_and_grad(state.params, batch)
     return state.apply_gradients(grads=grads)
 
-  for batch in flax_cases.windows(data):
+  for batch in helpers.flax_windows(data):
     state = step(state, batch)
   return state
 
@@ -227,11 +227,9 @@ def test_accumulation_matches_large_batch_training(name):
 def test_step_counts_calls_and_applied_updates_count_windows():
   model, loss_fn, weight_fn, data, example = _case("mlp")
   state = _train_per_call(loss_fn, weight_fn, _init(model, example), data)
-  assert int(state.step) == flax_cases.NUM_WINDOWS * flax_cases.MICRO_BATCHES
-  assert int(ga_optax.applied_updates(state)) == flax_cases.NUM_WINDOWS
-  assert (
-    int(ga_optax.applied_updates(state.opt_state)) == flax_cases.NUM_WINDOWS
-  )
+  assert int(state.step) == helpers.NUM_WINDOWS * helpers.MICRO_BATCHES
+  assert int(ga_optax.applied_updates(state)) == helpers.NUM_WINDOWS
+  assert int(ga_optax.applied_updates(state.opt_state)) == helpers.NUM_WINDOWS
   assert bool(ga_optax.emitted(state.opt_state))
 
 
@@ -241,7 +239,7 @@ def test_apply_gradients_flush_closes_a_partial_window():
   state = train_state.TrainState.create(
     apply_fn=None,
     params=_fresh(params),
-    tx=ga_optax.accumulate(optax.sgd(0.1), flax_cases.MICRO_BATCHES),
+    tx=ga_optax.accumulate(optax.sgd(0.1), helpers.MICRO_BATCHES),
   )
 
   @jax.jit
@@ -249,7 +247,7 @@ def test_apply_gradients_flush_closes_a_partial_window():
     grads = jax.grad(loss_fn)(state.params, microbatch)
     return ga_optax.apply_gradients(state, grads, flush=flush)
 
-  microbatches = flax_cases.microbatches(flax_cases.windows(data)[0])[:2]
+  microbatches = helpers.flax_microbatches(helpers.flax_windows(data)[0])[:2]
   for index, microbatch in enumerate(microbatches):
     state = step(state, microbatch, jnp.asarray(index == 1))
   partial_batch = jax.tree.map(lambda *x: jnp.concatenate(x), *microbatches)

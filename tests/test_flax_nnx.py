@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import chex
-import flax_cases
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,9 +47,9 @@ class TinyLm(nnx.Module):
   """
 
   def __init__(self, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(flax_cases.VOCAB, 16, rngs=rngs)
+    self.embed = nnx.Embed(helpers.VOCAB, 16, rngs=rngs)
     self.position = nnx.Param(
-      0.02 * jax.random.normal(rngs.params(), (flax_cases.SEQ_LEN, 16))
+      0.02 * jax.random.normal(rngs.params(), (helpers.SEQ_LEN, 16))
     )
     self.norm = nnx.LayerNorm(16, use_bias=False, use_scale=False, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
@@ -57,7 +57,7 @@ class TinyLm(nnx.Module):
     )
     self.up = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
     self.down = nnx.Linear(32, 16, use_bias=False, rngs=rngs)
-    self.head = nnx.Linear(16, flax_cases.VOCAB, rngs=rngs)
+    self.head = nnx.Linear(16, helpers.VOCAB, rngs=rngs)
 
   def __call__(self, tokens, mask):
     x = self.embed(tokens) + self.position[...]
@@ -92,39 +92,39 @@ Case = tuple[
 
 def _case(name: str) -> Case:
   if name == "mlp":
-    data = flax_cases.classification_data((5,), key=1)
+    data = helpers.classification_data((5,), key=1)
     return (
       (lambda: Mlp(nnx.Rngs(0))),
       _classification_loss,
-      flax_cases.samples,
+      helpers.samples,
       data,
     )
   if name == "cnn":
-    data = flax_cases.classification_data((8, 8, 1), key=2)
+    data = helpers.classification_data((8, 8, 1), key=2)
     return (
       (lambda: Cnn(nnx.Rngs(0))),
       _classification_loss,
-      flax_cases.samples,
+      helpers.samples,
       data,
     )
   return (
     (lambda: TinyLm(nnx.Rngs(0))),
     _lm_loss,
-    flax_cases.lm_tokens,
-    flax_cases.lm_data(),
+    helpers.lm_tokens,
+    helpers.lm_data(),
   )
 
 
 def _train_large_batch(make_model, loss_fn, data):
   model = make_model()
-  optimizer = nnx.Optimizer(model, flax_cases.optimizer(), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, helpers.flax_optimizer(), wrt=nnx.Param)
 
   @nnx.jit
   def step(model, optimizer, batch):
     grads = nnx.grad(loss_fn)(model, batch)
     optimizer.update(model, grads)
 
-  for batch in flax_cases.windows(data):
+  for batch in helpers.flax_windows(data):
     step(model, optimizer, batch)
   return model
 
@@ -133,7 +133,7 @@ def _train_per_call(make_model, loss_fn, weight_fn, data):
   model = make_model()
   optimizer = nnx.Optimizer(
     model,
-    ga_optax.accumulate(flax_cases.optimizer(), flax_cases.MICRO_BATCHES),
+    ga_optax.accumulate(helpers.flax_optimizer(), helpers.MICRO_BATCHES),
     wrt=nnx.Param,
   )
 
@@ -144,8 +144,8 @@ def _train_per_call(make_model, loss_fn, weight_fn, data):
     return ga_optax.emitted(optimizer.opt_state)
 
   emitted = []
-  for batch in flax_cases.windows(data):
-    for microbatch in flax_cases.microbatches(batch):
+  for batch in helpers.flax_windows(data):
+    for microbatch in helpers.flax_microbatches(batch):
       emitted.append(bool(step(model, optimizer, microbatch)))
   return model, optimizer, emitted
 
@@ -155,7 +155,7 @@ def _train_host_scheduled(make_model, loss_fn, weight_fn, data):
   model = make_model()
   optimizer = nnx.Optimizer(
     model,
-    ga_optax.accumulate(flax_cases.optimizer(), flax_cases.MICRO_BATCHES),
+    ga_optax.accumulate(helpers.flax_optimizer(), helpers.MICRO_BATCHES),
     wrt=nnx.Param,
   )
 
@@ -166,8 +166,8 @@ def _train_host_scheduled(make_model, loss_fn, weight_fn, data):
       model, grads, weight=weight_fn(microbatch), closing=closing
     )
 
-  for batch in flax_cases.windows(data):
-    microbatches = list(flax_cases.microbatches(batch))
+  for batch in helpers.flax_windows(data):
+    microbatches = list(helpers.flax_microbatches(batch))
     for index, microbatch in enumerate(microbatches):
       step(model, optimizer, microbatch, index == len(microbatches) - 1)
   return model
@@ -175,7 +175,7 @@ def _train_host_scheduled(make_model, loss_fn, weight_fn, data):
 
 def _train_in_step(make_model, loss_fn, weight_fn, data):
   model = make_model()
-  optimizer = nnx.Optimizer(model, flax_cases.optimizer(), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, helpers.flax_optimizer(), wrt=nnx.Param)
 
   @nnx.jit
   def step(model, optimizer, batch):
@@ -186,13 +186,13 @@ def _train_in_step(make_model, loss_fn, weight_fn, data):
       return loss_fn(nnx.merge(graphdef, params, rest, copy=True), microbatch)
 
     value_and_grad = ga_optax.microbatched_value_and_grad(
-      params_loss, flax_cases.MICRO_BATCHES, weight_fn=weight_fn
+      params_loss, helpers.MICRO_BATCHES, weight_fn=weight_fn
     )
     loss, grads = value_and_grad(params, batch, rest)
     optimizer.update(model, grads)
     return loss
 
-  for batch in flax_cases.windows(data):
+  for batch in helpers.flax_windows(data):
     step(model, optimizer, batch)
   return model
 
@@ -219,15 +219,11 @@ def test_accumulation_matches_large_batch_training(name):
   # the optimizer's own step counts update calls (micro-steps).
   assert (
     emitted
-    == ([False] * (flax_cases.MICRO_BATCHES - 1) + [True])
-    * flax_cases.NUM_WINDOWS
+    == ([False] * (helpers.MICRO_BATCHES - 1) + [True]) * helpers.NUM_WINDOWS
   )
+  assert int(optimizer.step[...]) == helpers.NUM_WINDOWS * helpers.MICRO_BATCHES
   assert (
-    int(optimizer.step[...])
-    == flax_cases.NUM_WINDOWS * flax_cases.MICRO_BATCHES
-  )
-  assert (
-    int(ga_optax.applied_updates(optimizer.opt_state)) == flax_cases.NUM_WINDOWS
+    int(ga_optax.applied_updates(optimizer.opt_state)) == helpers.NUM_WINDOWS
   )
   assert isinstance(ga_optax.emitted(optimizer.opt_state), jax.Array)
 

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
-from token_windows import (
+from helpers import (
   assert_finite_and_close,
   init_params,
   make_windows,
@@ -30,6 +29,7 @@ from token_windows import (
   tokens,
   whole,
 )
+from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax._src import audits

@@ -25,12 +25,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_finite_and_close
 from jax.sharding import PartitionSpec as P
 
 import ga_optax
@@ -44,7 +44,6 @@ K = 3
 # Windows of 3 micro-steps, then a window of 2 closed by a flush.
 WINDOW_LENGTHS = (3, 2)
 LEARNING_RATE = 0.5
-TOLERANCE = {"rtol": 2e-5, "atol": 2e-6}
 
 Batch = dict[str, np.ndarray]
 
@@ -116,13 +115,6 @@ def large_batch_sgd(windows: Sequence[Sequence[Batch]]) -> Any:
       lambda param, grad: param - LEARNING_RATE * grad, params, grads
     )
   return params
-
-
-def assert_finite_and_close(actual: Any, expected: Any) -> None:
-  """Equal within float32 rounding; NaN anywhere fails (chex says NaN == NaN)."""
-  actual, expected = jax.device_get((actual, expected))
-  chex.assert_tree_all_finite((actual, expected))
-  chex.assert_trees_all_close(actual, expected, **TOLERANCE)
 
 
 def data_mesh() -> jax.sharding.Mesh:

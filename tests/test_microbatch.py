@@ -6,10 +6,10 @@ import functools
 from typing import Any
 
 import chex
+import helpers
 import hypothesis
 import jax
 import jax.numpy as jnp
-import linear_case
 import numpy as np
 import pytest
 from hypothesis import strategies as st
@@ -530,7 +530,7 @@ def test_rng_differs_across_devices_under_plain_jit(path, num_microbatches):
     [np.where(keep, x, 0.0).sum(0) / (rows * features) for x, keep in pieces],
     axis=0,
   )
-  _assert_finite_and_close(
+  helpers.assert_finite_and_close(
     (value, grads), (expected_value, {"w": expected_grad})
   )
 
@@ -586,12 +586,6 @@ def _rnn_loss(carry_sharding: str):
   return loss
 
 
-def _assert_finite_and_close(actual, expected):
-  chex.assert_tree_all_finite(actual)
-  chex.assert_tree_all_finite(expected)
-  chex.assert_trees_all_close(actual, expected, rtol=2e-5, atol=2e-6)
-
-
 @pytest.mark.devices(8)
 def test_a_constant_scan_carry_runs_on_auto_axes_as_jax_runs_it():
   loss = _rnn_loss("none")
@@ -603,8 +597,8 @@ def test_a_constant_scan_carry_runs_on_auto_axes_as_jax_runs_it():
       loss, 4, axis_name="data"
     )
     actual = jax.jit(value_and_grad)(_rnn_params(), batch)
-  _assert_finite_and_close(actual, expected)
-  _assert_finite_and_close(
+  helpers.assert_finite_and_close(actual, expected)
+  helpers.assert_finite_and_close(
     actual, jax.value_and_grad(loss)(_rnn_params(), _rnn_batch())
   )
 
@@ -634,11 +628,11 @@ def test_a_constant_scan_carry_on_explicit_axes(path, carry_sharding):
       with pytest.raises(TypeError, match="carry"):
         jax.jit(jax.value_and_grad(loss))(_rnn_params(), batch)
     else:
-      _assert_finite_and_close(
+      helpers.assert_finite_and_close(
         jax.jit(jax.value_and_grad(loss))(_rnn_params(), batch), expected
       )
     actual = jax.jit(step)(_rnn_params(), batch)
-  _assert_finite_and_close(actual, expected)
+  helpers.assert_finite_and_close(actual, expected)
 
 
 @pytest.mark.devices(8)
@@ -674,29 +668,33 @@ def test_a_value_traced_in_the_step_is_passed_not_closed_over(path):
     with pytest.raises(ValueError, match="closes over a value traced"):
       jax.jit(closed_over)(_rnn_params(), batch, scale)
     actual = jax.jit(passed)(_rnn_params(), batch, scale)
-  _assert_finite_and_close(actual, scaled_reference(2.5))
+  helpers.assert_finite_and_close(actual, scaled_reference(2.5))
 
 
-# A linear model of two outputs (tests/linear_case.py), its batch in
+# A linear model of two outputs (tests/helpers.py), its batch in
 # NUM_MICROBATCHES micro-batches.
 NUM_MICROBATCHES = 4
 
 
 def test_explicitly_sharded_batch_without_set_mesh():
-  mesh = linear_case.one_device_mesh()
-  batch = linear_case.put(linear_case.batch(), mesh, P("data"))
+  mesh = helpers.one_device_mesh()
+  batch = helpers.put(helpers.linear_batch(), mesh, P("data"))
   value_and_grad = ga_optax.microbatched_value_and_grad(
     _elementwise_loss, NUM_MICROBATCHES
   )
-  params = linear_case.params()["b"]
+  params = helpers.linear_params()["b"]
   try:
     result = value_and_grad(params, batch)
   except ValueError as error:
     # Refusing is fine too, if the message says what to do.
     assert "set_mesh" in str(error)
   else:
-    linear_case.assert_finite_and_close(
-      result, jax.value_and_grad(_elementwise_loss)(params, batch)
+    helpers.assert_finite_and_close(
+      result,
+      jax.value_and_grad(_elementwise_loss)(params, batch),
+      rtol=1e-5,
+      atol=1e-6,
+      same_shapes_and_dtypes=True,
     )
 
 
@@ -716,7 +714,7 @@ def _weighted_batch(weights: list[Any]) -> dict[str, jax.Array]:
   weight of micro-batch ``r % k``.
   """
   rows = BATCH // NUM_MICROBATCHES
-  batch = linear_case.batch()
+  batch = helpers.linear_batch()
   batch["weight"] = jnp.asarray(np.tile(np.asarray(weights), rows))
   return batch
 
@@ -728,16 +726,16 @@ def _first_row_weight(microbatch):
 @pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
 def test_weight_fn_returning_a_bool_is_a_type_error(use_jit):
   value_and_grad = ga_optax.microbatched_value_and_grad(
-    linear_case.loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
+    helpers.linear_loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
   )
   if use_jit:
     value_and_grad = jax.jit(value_and_grad)
   batch = _weighted_batch([True, False, True, True])
   with pytest.raises(TypeError, match="weight_fn must return a real number"):
     # eval_shape traces without running: the error comes at trace time.
-    jax.eval_shape(value_and_grad, linear_case.params(), batch)
+    jax.eval_shape(value_and_grad, helpers.linear_params(), batch)
   with pytest.raises(TypeError, match="weight_fn must return a real number"):
-    value_and_grad(linear_case.params(), batch)
+    value_and_grad(helpers.linear_params(), batch)
 
 
 def test_nonnegative_weights_still_give_the_weighted_mean():
@@ -745,12 +743,12 @@ def test_nonnegative_weights_still_give_the_weighted_mean():
   # tests/test_weights.py, one rule for both paths).
   weights = [3.0, 0.0, 2.0, 1.0]
   value_and_grad = ga_optax.microbatched_value_and_grad(
-    linear_case.loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
+    helpers.linear_loss, NUM_MICROBATCHES, weight_fn=_first_row_weight
   )
   batch = _weighted_batch(weights)
   per_microbatch = [
-    jax.value_and_grad(linear_case.loss)(
-      linear_case.params(),
+    jax.value_and_grad(helpers.linear_loss)(
+      helpers.linear_params(),
       jax.tree.map(lambda x, i=i: x[i::NUM_MICROBATCHES], batch),
     )
     for i in range(NUM_MICROBATCHES)
@@ -761,6 +759,10 @@ def test_nonnegative_weights_still_give_the_weighted_mean():
     ),
     *per_microbatch,
   )
-  linear_case.assert_finite_and_close(
-    value_and_grad(linear_case.params(), batch), expected
+  helpers.assert_finite_and_close(
+    value_and_grad(helpers.linear_params(), batch),
+    expected,
+    rtol=1e-5,
+    atol=1e-6,
+    same_shapes_and_dtypes=True,
   )

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 import chex
+import helpers
 import multihost_worker as worker
 import numpy as np
 import pytest
-import token_windows
 
 import ga_optax
 
@@ -76,15 +76,15 @@ def run_processes(mode: str, tmp_path: Path) -> list[dict[str, np.ndarray]]:
 @pytest.mark.parametrize("mode", worker.MODES)
 def test_two_processes_match_a_single_process_large_batch(mode, tmp_path):
   results = run_processes(mode, tmp_path)
-  windows = token_windows.make_windows(
+  windows = helpers.make_windows(
     worker.LENGTHS, worker.DEVICES, worker.ROWS, seed=worker.SEED
   )
-  expected = token_windows.large_batch_reference(
-    token_windows.SGD, token_windows.init_params(), windows
+  expected = helpers.large_batch_reference(
+    helpers.SGD, helpers.init_params(), windows
   )
   for result in results:
     assert int(result.pop("num_devices")) == worker.DEVICES
     assert int(result.pop("update_step")) == len(worker.LENGTHS)
-    token_windows.assert_finite_and_close(result, expected)
+    helpers.assert_finite_and_close(result, expected)
   # Both processes ran the same reduction: bit-identical parameters.
   chex.assert_trees_all_equal(*results)

@@ -18,10 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
-from mesh_layouts import put, run_steps, unreduced_step
-from token_windows import (
+from helpers import (
   SGD,
   assert_finite_and_close,
   init_params,
@@ -30,6 +27,9 @@ from token_windows import (
   micro_steps,
   token_mean_loss,
 )
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from mesh_layouts import put, run_steps, unreduced_step
 
 import ga_optax
 from ga_optax._src.placements import axes as axes_lib

@@ -3,7 +3,7 @@
 JAX's own multi-device workflow: ``jax.make_mesh`` (Explicit axes) or a mesh
 of Auto axes, ``jax.set_mesh``, a batch put with ``P("data")`` and a plain
 ``jax.jit`` step. Every run is held to the one-device large batch of
-tests/token_windows.py (plain SGD, token weights, windows of unequal weight,
+tests/helpers.py (plain SGD, token weights, windows of unequal weight,
 one closed by a flush), every micro-batched gradient to ``jax.value_and_grad``
 of the token mean, and the compiled steps to where their collectives run and
 how many rows each device computes.
@@ -20,20 +20,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from mesh_layouts import (
-  LAYOUTS,
-  REPLICATED,
-  Layout,
-  assert_specs,
-  data_mesh,
-  per_device_bytes,
-  put,
-  run_steps,
-  unreduced_step,
-)
-from token_windows import (
+from helpers import (
   IN,
   OUT,
   SGD,
@@ -46,6 +33,19 @@ from token_windows import (
   token_mean_loss,
   tokens,
   whole,
+)
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from mesh_layouts import (
+  LAYOUTS,
+  REPLICATED,
+  Layout,
+  assert_specs,
+  data_mesh,
+  per_device_bytes,
+  put,
+  run_steps,
+  unreduced_step,
 )
 
 import ga_optax

@@ -2,7 +2,7 @@
 
 Each device accumulates its own micro-batches and the devices reduce once,
 where the window closes. Every run is held to the one-device large batch of
-tests/token_windows.py (plain SGD, per-device token weights, windows of
+tests/helpers.py (plain SGD, per-device token weights, windows of
 unequal weight, one closed by a flush), and the compiled step of each run to
 where its collectives are.
 
@@ -20,23 +20,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import linear_case
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from token_windows import (
+from helpers import (
   SGD,
   assert_finite_and_close,
   init_params,
   large_batch_reference,
+  linear_batch,
+  linear_loss,
+  linear_params,
   make_windows,
   micro_steps,
+  one_device_mesh,
+  put,
   token_mean_loss,
   token_sum_loss,
   tokens,
 )
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax._src import audits
@@ -352,20 +356,20 @@ def test_consolidated_on_8_devices_resumes_on_2():
   )
 
 
-# A linear model (tests/linear_case.py) in NUM_MICROBATCHES micro-batches,
+# A linear model (tests/helpers.py) in NUM_MICROBATCHES micro-batches,
 # in shard_map on a mesh of this machine's one device.
 NUM_MICROBATCHES = 4
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_microbatched_axis_name_inside_shard_map(check_vma):
-  mesh = linear_case.one_device_mesh()
+  mesh = one_device_mesh()
   params, batch = (
-    linear_case.put(linear_case.params(), mesh, P()),
-    linear_case.put(linear_case.batch(), mesh, P("data")),
+    put(linear_params(), mesh, P()),
+    put(linear_batch(), mesh, P("data")),
   )
   value_and_grad = ga_optax.microbatched_value_and_grad(
-    linear_case.loss, NUM_MICROBATCHES, axis_name="data"
+    linear_loss, NUM_MICROBATCHES, axis_name="data"
   )
   sharded = jax.jit(
     jax.shard_map(
@@ -376,14 +380,24 @@ def test_microbatched_axis_name_inside_shard_map(check_vma):
       check_vma=check_vma,
     )
   )
-  expected = jax.value_and_grad(linear_case.loss)(
-    linear_case.params(), linear_case.batch()
+  expected = jax.value_and_grad(linear_loss)(linear_params(), linear_batch())
+  assert_finite_and_close(
+    sharded(params, batch),
+    expected,
+    rtol=1e-5,
+    atol=1e-6,
+    same_shapes_and_dtypes=True,
   )
-  linear_case.assert_finite_and_close(sharded(params, batch), expected)
   without_shard_map = ga_optax.microbatched_value_and_grad(
-    linear_case.loss, NUM_MICROBATCHES
-  )(linear_case.params(), linear_case.batch())
-  linear_case.assert_finite_and_close(sharded(params, batch), without_shard_map)
+    linear_loss, NUM_MICROBATCHES
+  )(linear_params(), linear_batch())
+  assert_finite_and_close(
+    sharded(params, batch),
+    without_shard_map,
+    rtol=1e-5,
+    atol=1e-6,
+    same_shapes_and_dtypes=True,
+  )
 
 
 # Windows of micro-batches of unequal size (weight = rows), the second closed
@@ -404,7 +418,7 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
   tx = ga_optax.accumulate(optimizer, 2, axis_name="data")
 
   def step(params, state, x, y, flush):
-    grads = jax.grad(linear_case.loss)(params, {"x": x, "y": y})
+    grads = jax.grad(linear_loss)(params, {"x": x, "y": y})
     # Each device's rows: the same number on every device.
     updates, state = tx.update(
       grads, state, params, weight=x.shape[0], flush=flush
@@ -420,11 +434,11 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
       check_vma=True,
     )
   )
-  params = linear_case.put(linear_case.params(), mesh, P())
-  state = linear_case.put(tx.init(linear_case.params()), mesh, P())
+  params = put(linear_params(), mesh, P())
+  state = put(tx.init(linear_params()), mesh, P())
   expected, expected_state = (
-    linear_case.params(),
-    optimizer.init(linear_case.params()),
+    linear_params(),
+    optimizer.init(linear_params()),
   )
   rng = np.random.default_rng(7)
   for window in _WINDOW_ROWS:
@@ -440,17 +454,19 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
       params, state = sharded_step(
         params,
         state,
-        *linear_case.put((batch["x"], batch["y"]), mesh, P("data")),
+        *put((batch["x"], batch["y"]), mesh, P("data")),
         jnp.bool_(closes and len(window) < 2),
       )
       assert bool(ga_optax.emitted(state)) == closes
     # The reference: the gradient of the window's mean loss, bare SGD.
     whole = jax.tree.map(lambda *rows: jnp.concatenate(rows), *batches)
     updates, expected_state = optimizer.update(
-      jax.grad(linear_case.loss)(expected, whole), expected_state
+      jax.grad(linear_loss)(expected, whole), expected_state
     )
     expected = optax.apply_updates(expected, updates)
-  linear_case.assert_finite_and_close(params, expected)
+  assert_finite_and_close(
+    params, expected, rtol=1e-5, atol=1e-6, same_shapes_and_dtypes=True
+  )
   assert int(ga_optax.applied_updates(state)) == len(_WINDOW_ROWS)
 
 
@@ -467,7 +483,7 @@ def test_partial_sum_helpers_refuse_a_shard_map_that_checks_variance(combine):
     return combine(state, axis_name="data")
 
   mapped = jax.shard_map(
-    step, mesh=linear_case.one_device_mesh(), in_specs=P(), out_specs=P()
+    step, mesh=one_device_mesh(), in_specs=P(), out_specs=P()
   )
   with pytest.raises(ValueError, match="check_vma=False"):
     jax.jit(mapped)(tx.init(params))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from window_state import without_stale_accumulator
+from helpers import without_stale_accumulator
 
 import ga_optax
 from ga_optax.testing import max_relative_difference

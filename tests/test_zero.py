@@ -2,7 +2,7 @@
 
 On 8 devices, ``accumulate(..., unreduced_axes="data",
 inner_state_axes=...)`` under a plain ``jax.jit`` on an Explicit mesh: the
-numbers against the one-device large batch of tests/token_windows.py (token
+numbers against the one-device large batch of tests/helpers.py (token
 weights, windows of unequal weight, one closed by a flush; plain SGD among
 the optimizers), the state's shards, the compiled HLO's collectives and
 orbax checkpoints. Then the arguments' errors and a one-device mesh.
@@ -20,6 +20,14 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from absl.testing import parameterized
+from helpers import (
+  SGD,
+  assert_finite_and_close,
+  init_params,
+  large_batch_reference,
+  make_windows,
+  micro_steps,
+)
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from mesh_layouts import (
@@ -31,14 +39,6 @@ from mesh_layouts import (
   put,
   run_steps,
   unreduced_step,
-)
-from token_windows import (
-  SGD,
-  assert_finite_and_close,
-  init_params,
-  large_batch_reference,
-  make_windows,
-  micro_steps,
 )
 
 import ga_optax

@@ -298,6 +298,17 @@ def assert_finite_and_close(
   chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)
 
 
+def assert_strictly_close(actual: Any, expected: Any) -> None:
+  """:func:`assert_finite_and_close`, leaf shapes and dtypes equal, tighter.
+
+  The comparison of the small linear model and its one-device sums, which
+  add in nearly the order of their references.
+  """
+  assert_finite_and_close(
+    actual, expected, rtol=1e-5, atol=1e-6, same_shapes_and_dtypes=True
+  )
+
+
 def without_stale_accumulator(tree: Any) -> Any:
   """``tree`` with the accumulator of every closed window zeroed.
 

@@ -689,12 +689,8 @@ def test_explicitly_sharded_batch_without_set_mesh():
     # Refusing is fine too, if the message says what to do.
     assert "set_mesh" in str(error)
   else:
-    helpers.assert_finite_and_close(
-      result,
-      jax.value_and_grad(_elementwise_loss)(params, batch),
-      rtol=1e-5,
-      atol=1e-6,
-      same_shapes_and_dtypes=True,
+    helpers.assert_strictly_close(
+      result, jax.value_and_grad(_elementwise_loss)(params, batch)
     )
 
 
@@ -759,10 +755,6 @@ def test_nonnegative_weights_still_give_the_weighted_mean():
     ),
     *per_microbatch,
   )
-  helpers.assert_finite_and_close(
-    value_and_grad(helpers.linear_params(), batch),
-    expected,
-    rtol=1e-5,
-    atol=1e-6,
-    same_shapes_and_dtypes=True,
+  helpers.assert_strictly_close(
+    value_and_grad(helpers.linear_params(), batch), expected
   )

@@ -26,6 +26,7 @@ import pytest
 from helpers import (
   SGD,
   assert_finite_and_close,
+  assert_strictly_close,
   init_params,
   large_batch_reference,
   linear_batch,
@@ -381,23 +382,11 @@ def test_microbatched_axis_name_inside_shard_map(check_vma):
     )
   )
   expected = jax.value_and_grad(linear_loss)(linear_params(), linear_batch())
-  assert_finite_and_close(
-    sharded(params, batch),
-    expected,
-    rtol=1e-5,
-    atol=1e-6,
-    same_shapes_and_dtypes=True,
-  )
+  assert_strictly_close(sharded(params, batch), expected)
   without_shard_map = ga_optax.microbatched_value_and_grad(
     linear_loss, NUM_MICROBATCHES
   )(linear_params(), linear_batch())
-  assert_finite_and_close(
-    sharded(params, batch),
-    without_shard_map,
-    rtol=1e-5,
-    atol=1e-6,
-    same_shapes_and_dtypes=True,
-  )
+  assert_strictly_close(sharded(params, batch), without_shard_map)
 
 
 # Windows of micro-batches of unequal size (weight = rows), the second closed
@@ -464,9 +453,7 @@ def test_accumulate_axis_name_inside_shard_map_with_check_vma(num_devices):
       jax.grad(linear_loss)(expected, whole), expected_state
     )
     expected = optax.apply_updates(expected, updates)
-  assert_finite_and_close(
-    params, expected, rtol=1e-5, atol=1e-6, same_shapes_and_dtypes=True
-  )
+  assert_strictly_close(params, expected)
   assert int(ga_optax.applied_updates(state)) == len(_WINDOW_ROWS)
 
 

@@ -34,11 +34,28 @@ matrix products run at full precision, as on the CPU.
 """
 
 import os
+import shutil
+import tempfile
 
 DEVICES = 8
 
 os.environ.setdefault("PJRT_NPROC", str(2 * DEVICES))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Most of the suite's time is XLA compiling, and tests compile the same
+# program more than once: a step of the forward tests and of the reverse
+# ones, a large-batch reference in several tests. A compilation cache for
+# the run compiles each once. Its directory is made here, in pytest's first process, and the
+# workers of pytest-xdist, started later, inherit it and share it; the first
+# process removes it at the end (pytest_unconfigure). A directory set by
+# hand is kept and used. A program compiled for a compile-only GPU or TPU is
+# never taken from the cache (it cannot be loaded without the device): those
+# tests always read a fresh compilation.
+_RUN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _RUN_CACHE = tempfile.mkdtemp(prefix="ga-optax-compiled-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  (the runtime reads PJRT_NPROC when JAX starts it)
 import pytest  # noqa: E402
@@ -125,6 +142,13 @@ def pytest_configure(config):
     " the large batch per schedule, in-step micro-batching, Flax, Equinox,"
     " data parallel); `python -m pytest -m smoke` runs it in about a minute",
   )
+
+
+def pytest_unconfigure(config):
+  # Only the process that made the run's cache removes it; a worker's
+  # _RUN_CACHE is None, the directory having come from its environment.
+  if _RUN_CACHE is not None:
+    shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 def pytest_runtest_logreport(report):

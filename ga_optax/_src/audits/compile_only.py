@@ -11,6 +11,7 @@ places a step's arguments on them and compiles it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,13 +42,17 @@ def compile_on(
   args: tuple[Any, ...],
   donate_argnums: int | Sequence[int],
   compiler_options: Mapping[str, Any] | None,
+  target: str,
 ) -> jax.stages.Compiled:
   """Compiles ``fun(*args)`` for ``devices``, placing ``args`` on them.
 
   On one device each array leaf is placed on it; on several, a leaf placed
   by a ``NamedSharding`` keeps its partition spec on a mesh of ``devices``
   with the same axis names, sizes and types, any other leaf is replicated,
-  and that mesh is set around the compilation.
+  and that mesh is set around the compilation. ``target`` names the
+  devices' kind (the text of its configuration, say): a program compiled
+  for the same target, device count, lowered text and options is the one
+  compiled before (_COMPILED).
 
   Raises:
     TypeError: ``compiler_options`` is not a mapping.
@@ -70,10 +75,30 @@ def compile_on(
   abstract_args = jax.tree.map(abstract, args)
   options = None if compiler_options is None else dict(compiler_options)
   jitted = jax.jit(fun, donate_argnums=donate_argnums, compiler_options=options)
-  if mesh is None:
-    return jitted.trace(*abstract_args).lower().compile()
-  with jax.set_mesh(mesh):
-    return jitted.trace(*abstract_args).lower().compile()
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    lowered = jitted.trace(*abstract_args).lower()
+    key = (
+      target,
+      len(devices),
+      lowered.as_text(),
+      tuple(sorted((options or {}).items())),
+    )
+    if key not in _COMPILED:
+      if len(_COMPILED) == _KEPT:
+        del _COMPILED[next(iter(_COMPILED))]
+      _COMPILED[key] = lowered.compile()
+    return _COMPILED[key]
+
+
+# The programs compiled last, by target, device count, lowered text and
+# options. JAX keeps no compiled program of a compile-only device between
+# two functions, nor on disk (it could not load one back without the
+# device); an audit, a test suite or a run book that reads one program
+# from two steps written alike would compile it twice, for seconds each.
+# A compiled program is only read (its text, its memory analysis), so the
+# same object serves both. The oldest is dropped past _KEPT programs.
+_KEPT = 64
+_COMPILED: dict[tuple[Any, ...], jax.stages.Compiled] = {}
 
 
 def _spec_of(leaf: Any) -> PartitionSpec:

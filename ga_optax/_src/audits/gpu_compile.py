@@ -176,5 +176,5 @@ def compile_for_gpu(
   compile_only.check_compiler_options(compiler_options)
   devices = gpu_devices(num_devices, target=target)
   return compile_only.compile_on(
-    devices, fun, args, donate_argnums, compiler_options
+    devices, fun, args, donate_argnums, compiler_options, target
   )

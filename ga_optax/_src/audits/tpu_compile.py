@@ -152,5 +152,5 @@ def compile_for_tpu(
   compile_only.check_compiler_options(compiler_options)
   devices = tpu_devices(num_devices, target=target)
   return compile_only.compile_on(
-    devices, fun, args, donate_argnums, compiler_options
+    devices, fun, args, donate_argnums, compiler_options, target
   )

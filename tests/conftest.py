@@ -45,12 +45,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most of the suite's time is XLA compiling, and tests compile the same
 # program more than once: a step of the forward tests and of the reverse
 # ones, a large-batch reference in several tests. A compilation cache for
-# the run compiles each once. Its directory is made here, in pytest's first process, and the
-# workers of pytest-xdist, started later, inherit it and share it; the first
-# process removes it at the end (pytest_unconfigure). A directory set by
-# hand is kept and used. A program compiled for a compile-only GPU or TPU is
-# never taken from the cache (it cannot be loaded without the device): those
-# tests always read a fresh compilation.
+# the run compiles each once. Its directory is made here, in pytest's first
+# process; the workers of pytest-xdist, started later, inherit it and share
+# it, and the first process removes it at the end (pytest_unconfigure). A
+# directory set by hand is kept and used. A program compiled for a
+# compile-only GPU or TPU cannot be loaded back from the cache without the
+# device; the audits keep those in memory instead
+# (ga_optax/_src/audits/compile_only.py).
 _RUN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _RUN_CACHE = tempfile.mkdtemp(prefix="ga-optax-compiled-")

@@ -58,6 +58,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+import cpu_compile_level  # noqa: E402
 import jax  # noqa: E402  (the runtime reads PJRT_NPROC when JAX starts it)
 import pytest  # noqa: E402
 
@@ -111,6 +112,19 @@ def tier(path) -> str:
     if path.name in files:
       return name
   return "conformance"
+
+
+def runs_as_a_reader_does(item) -> bool:
+  """The docs tier, and the examples of the library's docstrings."""
+  return tier(item.path) == "docs" or item.path.parent.name != "tests"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+  # What a reader runs is compiled as their run compiles it; the other
+  # tests compile the CPU's programs without LLVM's expensive
+  # optimizations (tests/cpu_compile_level.py).
+  cpu_compile_level.set_unoptimized(not runs_as_a_reader_does(item))
 
 
 def pytest_collection_modifyitems(config, items):

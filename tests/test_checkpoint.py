@@ -18,6 +18,7 @@ import sys
 
 import checkpoint_run
 import chex
+import cpu_compile_level
 import helpers
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,9 @@ RUN_SCRIPT = pathlib.Path(checkpoint_run.__file__)
 
 
 def _subprocess_env() -> dict[str, str]:
-  env = dict(os.environ)
+  # The fresh process compiles the CPU's programs as this one does: the
+  # resumed run must match this one's bits.
+  env = {**os.environ, **cpu_compile_level.environment()}
   repository = str(pathlib.Path(ga_optax.__file__).parent.parent)
   env["PYTHONPATH"] = os.pathsep.join(
     filter(None, [repository, env.get("PYTHONPATH")])

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 
+import cpu_compile_level
 import jax
+import jax.extend
 import jax.numpy as jnp
 import optax
 import pytest
+from jax._src import compiler
 
 import ga_optax
 from ga_optax._src import audits
@@ -115,3 +118,35 @@ def test_a_micro_step_copies_no_layer(programs):
     assert audit.copied_bytes(at_least=leaf_bytes) == 0, (path, audit.copies)
   micro_step = audits.path_audit(program, "micro_step")
   assert micro_step.misplaced_closing_work == []
+
+
+def test_the_suite_compiles_the_window_as_xla_s_defaults_do():
+  """The suite's CPU level (tests/cpu_compile_level.py) leaves XLA's passes
+  alone: the optimized program and its memory are the default build's, so
+  the figures above are a user's."""
+  tx = ga_optax.accumulate(optax.adam(1e-3), EVERY_K)
+  programs = {}
+  for unoptimized in (False, True):
+    with cpu_compile_level.unoptimized(unoptimized):
+      options = compiler.get_compile_options(
+        1, 1, backend=jax.extend.backend.get_backend("cpu")
+      )
+      level = options.executable_build_options.debug_options
+      # The level the suite sets, or XLA's default.
+      assert (level.xla_backend_optimization_level == 0) == unoptimized
+      programs[unoptimized] = compiled(tx)
+  default, suite = programs[False], programs[True]
+  assert default is not suite
+  # The instructions of every computation (their source locations aside).
+  assert (
+    audits.parse_hlo(default.as_text()).computations
+    == audits.parse_hlo(suite.as_text()).computations
+  )
+  memory = [p.memory_analysis() for p in (default, suite)]
+  for field in (
+    "temp_size_in_bytes",
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+  ):
+    assert getattr(memory[0], field) == getattr(memory[1], field), field

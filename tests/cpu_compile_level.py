@@ -1,0 +1,81 @@
+"""The suite's CPU programs compiled without LLVM's expensive optimizations.
+
+Most of the suite's time is XLA:CPU compiling programs that then run once on
+a few rows, and much of a compilation is LLVM optimizing their machine code.
+Outside what a reader runs (tests/conftest.py), a CPU program is compiled as
+JAX's ``jax_disable_most_optimizations`` compiles it: backend optimization
+level 0, LLVM's expensive passes off. XLA's own passes run as by default, so
+the optimized HLO, its buffers and its copies are a user's
+(tests/test_cpu_program.py compares them on the window's program), and
+every claim compares two programs compiled alike (the window against its
+large-batch reference). Floats may differ from a default build's in the
+last bits.
+
+Programs for other platforms (the compile-only H100s and TPUs, whose
+programs the compiled tier audits) keep XLA's defaults: JAX's flag would
+reach them too, hence the hook on the CPU's compile options here. What a
+reader runs (the docs tier: pages, README, examples; the docstrings'
+examples) compiles as the reader's run does: its printed figures are the
+reader's. A change of level clears JAX's in-memory caches,
+so that no compiled program crosses from one level to the other, and a
+test's subprocess that must compute the same bits compiles at its test's
+level (``environment`` and ``from_environment``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax._src import compiler
+
+_LEVEL = {"unoptimized": False}
+VARIABLE = "GA_OPTAX_TEST_CPU_UNOPTIMIZED"
+_DEFAULT_COMPILE_OPTIONS = compiler.get_compile_options
+
+
+def _compile_options(*args: Any, **kwargs: Any) -> Any:
+  options = _DEFAULT_COMPILE_OPTIONS(*args, **kwargs)
+  backend = kwargs.get("backend")
+  if _LEVEL["unoptimized"] and getattr(backend, "platform", None) == "cpu":
+    debug = options.executable_build_options.debug_options
+    debug.xla_backend_optimization_level = 0
+    debug.xla_llvm_disable_expensive_passes = True
+  return options
+
+
+# JAX builds every jitted program's options here (pxla passes the backend
+# by keyword); the persistent cache keys on them, so the levels never share
+# an entry.
+compiler.get_compile_options = _compile_options
+
+
+def set_unoptimized(unoptimized: bool) -> None:
+  """Compiles the CPU's programs from now on at the given level."""
+  if unoptimized != _LEVEL["unoptimized"]:
+    jax.clear_caches()
+    _LEVEL["unoptimized"] = unoptimized
+
+
+@contextlib.contextmanager
+def unoptimized(value: bool) -> Iterator[None]:
+  """The CPU's programs compiled at the given level inside the block."""
+  before = _LEVEL["unoptimized"]
+  set_unoptimized(value)
+  try:
+    yield
+  finally:
+    set_unoptimized(before)
+
+
+def environment() -> dict[str, str]:
+  """The variable that tells a subprocess this process's level."""
+  return {VARIABLE: "1" if _LEVEL["unoptimized"] else "0"}
+
+
+def from_environment() -> None:
+  """In a test's subprocess: the level of the test that started it."""
+  set_unoptimized(os.environ.get(VARIABLE) == "1")

@@ -11,7 +11,9 @@ copies are deterministic for a jax release; times are benchmarks/run.py's.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import cpu_compile_level
 import jax
@@ -70,13 +72,20 @@ def compiled(tx):
   )
 
 
+@contextlib.contextmanager
+def the_form_the_cpu_chooses() -> Iterator[None]:
+  """Whatever form the environment pins for the run."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.delenv(window_form.VARIABLE, raising=False)
+    yield
+
+
 @pytest.fixture(scope="module")
 def programs():
   """The plain Adam step and ``accumulate``'s, each compiled once, in the
-  form the CPU chooses (whatever form the environment pins for the run)."""
+  form the CPU chooses, at the suite's level (tests/cpu_compile_level.py)."""
   adam = optax.adam(1e-3)
-  with pytest.MonkeyPatch.context() as patch:
-    patch.delenv(window_form.VARIABLE, raising=False)
+  with the_form_the_cpu_chooses():
     return {
       "adam": compiled(adam),
       "accumulate": compiled(ga_optax.accumulate(adam, EVERY_K)),
@@ -120,23 +129,20 @@ def test_a_micro_step_copies_no_layer(programs):
   assert micro_step.misplaced_closing_work == []
 
 
-def test_the_suite_compiles_the_window_as_xla_s_defaults_do():
+def test_the_suite_compiles_the_window_as_xla_s_defaults_do(programs):
   """The suite's CPU level (tests/cpu_compile_level.py) leaves XLA's passes
   alone: the optimized program and its memory are the default build's, so
   the figures above are a user's."""
-  tx = ga_optax.accumulate(optax.adam(1e-3), EVERY_K)
-  programs = {}
+  cpu = jax.extend.backend.get_backend("cpu")
   for unoptimized in (False, True):
     with cpu_compile_level.unoptimized(unoptimized):
-      options = compiler.get_compile_options(
-        1, 1, backend=jax.extend.backend.get_backend("cpu")
-      )
+      options = compiler.get_compile_options(1, 1, backend=cpu)
       level = options.executable_build_options.debug_options
       # The level the suite sets, or XLA's default.
       assert (level.xla_backend_optimization_level == 0) == unoptimized
-      programs[unoptimized] = compiled(tx)
-  default, suite = programs[False], programs[True]
-  assert default is not suite
+  suite = programs["accumulate"]
+  with cpu_compile_level.unoptimized(False), the_form_the_cpu_chooses():
+    default = compiled(ga_optax.accumulate(optax.adam(1e-3), EVERY_K))
   # The instructions of every computation (their source locations aside).
   assert (
     audits.parse_hlo(default.as_text()).computations

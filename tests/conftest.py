@@ -94,7 +94,8 @@ TIERS = {
     "test_window_sizes.py",
   ),
   "docs": (
-    # The pages, the README and the examples, run as a reader runs them.
+    # The pages and the README, run as a reader runs them; the examples,
+    # at a tiny size.
     "test_batch_size_loop_example.py",
     "test_bf16_recipe_example.py",
     "test_docs_figures.py",
@@ -114,15 +115,28 @@ def tier(path) -> str:
   return "conformance"
 
 
+# The tests that compare printed values with the text a reader reads (the
+# pages, the README, the figures the docs quote). The examples' tests run
+# the examples at a tiny size, whose output no page quotes.
+PRINTS_WHAT_THE_DOCS_QUOTE = (
+  "test_docs_figures.py",
+  "test_docs_snippets.py",
+  "test_readme.py",
+)
+
+
 def runs_as_a_reader_does(item) -> bool:
-  """The docs tier, and the examples of the library's docstrings."""
-  return tier(item.path) == "docs" or item.path.parent.name != "tests"
+  """The tests of the docs' printed values, and the docstrings' examples."""
+  return (
+    item.path.name in PRINTS_WHAT_THE_DOCS_QUOTE
+    or item.path.parent.name != "tests"
+  )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-  # What a reader runs is compiled as their run compiles it; the other
-  # tests compile the CPU's programs without LLVM's expensive
+  # What the docs quote is computed as a reader's run computes it; the
+  # other tests compile the CPU's programs without LLVM's expensive
   # optimizations (tests/cpu_compile_level.py).
   cpu_compile_level.set_unoptimized(not runs_as_a_reader_does(item))
 

@@ -13,13 +13,14 @@ last bits.
 
 Programs for other platforms (the compile-only H100s and TPUs, whose
 programs the compiled tier audits) keep XLA's defaults: JAX's flag would
-reach them too, hence the hook on the CPU's compile options here. What a
-reader runs (the docs tier: pages, README, examples; the docstrings'
-examples) compiles as the reader's run does: its printed figures are the
-reader's. A change of level clears JAX's in-memory caches,
-so that no compiled program crosses from one level to the other, and a
-test's subprocess that must compute the same bits compiles at its test's
-level (``environment`` and ``from_environment``).
+reach them too, hence the hook on the CPU's compile options here. The tests
+that hold printed values to the text a reader reads (the pages, the README,
+the docstrings' examples) compile as the reader's run does, so the figures
+they check are the reader's; the examples' tests, which run the examples at
+a tiny size no page quotes, compile at level 0. A change of level clears
+JAX's in-memory caches, so that no compiled program crosses from one level
+to the other, and a test's subprocess compiles at its test's level
+(``environment`` and ``from_environment``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import cpu_compile_level
 import numpy as np
 import pytest
 
@@ -324,8 +325,12 @@ def test_lm_token_weighting(lm_example, byte_lm, tmp_path, capsys):
 
 # examples/data_parallel.py needs 8 simulated CPU devices, fixed when jax is
 # imported: it runs in a fresh process that calls its main.
+# The example in a fresh process (8 devices), its programs compiled at the
+# test's level (tests/cpu_compile_level.py).
 DATA_PARALLEL_DRIVER = """
 import json, runpy, sys
+import cpu_compile_level
+cpu_compile_level.from_environment()
 example = runpy.run_path(sys.argv[1])
 print("DEFAULT_OUTPUT_DIR", example["parse_args"]([]).output_dir.resolve())
 print("RESULTS " + json.dumps(example["main"](sys.argv[2:])))
@@ -342,8 +347,16 @@ def run_data_parallel(cwd: Path, *args: str) -> tuple[dict, str]:
   )
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(EXAMPLES_DIR.parent), env.get("PYTHONPATH", "")])
+    filter(
+      None,
+      [
+        str(EXAMPLES_DIR.parent),
+        str(Path(__file__).resolve().parent),
+        env.get("PYTHONPATH", ""),
+      ],
+    )
   )
+  env.update(cpu_compile_level.environment())
   example = EXAMPLES_DIR / "data_parallel.py"
   result = subprocess.run(
     [sys.executable, "-c", DATA_PARALLEL_DRIVER, str(example), *args],

@@ -21,6 +21,7 @@ import ast
 import builtins
 import collections
 import decimal
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -594,12 +595,20 @@ def _imported_modules(source: str) -> set[str]:
   return modules
 
 
+@functools.cache
+def _demo_install() -> tuple[set[str], dict[str, list[str]]]:
+  """What ``pip install ".[examples]"`` installs, and which distribution
+  provides each importable module (read once: each reading scans every
+  installed distribution's metadata)."""
+  installed = _installed_with(_distributions("", "examples"))
+  return installed, importlib.metadata.packages_distributions()
+
+
 @pytest.mark.parametrize("page", _pages())
 def test_pages_import_only_what_the_demo_install_brings(page):
   # A reader of the docs has run the demo's install, pip install
   # ".[examples]"; the test extra (chex, pytest...) is the project's own.
-  installed = _installed_with(_distributions("", "examples"))
-  providers = importlib.metadata.packages_distributions()
+  installed, providers = _demo_install()
   missing = {
     module
     for module in _imported_modules(script(page))

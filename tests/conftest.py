@@ -64,6 +64,11 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", DEVICES)
 
+# Every test compiles the CPU's programs without LLVM's expensive
+# optimizations, and so do the subprocesses that ask
+# (tests/cpu_compile_level.py).
+cpu_compile_level.set_unoptimized(True)
+
 # The equivalence checks compare two orders of the same float32 sums. On a
 # GPU, float32 matrix products default to TensorFloat-32 (10 bits kept), and
 # the two orders then differ by about 1e-3 (seen on an H100), far past the
@@ -113,32 +118,6 @@ def tier(path) -> str:
     if path.name in files:
       return name
   return "conformance"
-
-
-# The tests that compare printed values with the text a reader reads (the
-# pages, the README, the figures the docs quote). The examples' tests run
-# the examples at a tiny size, whose output no page quotes.
-PRINTS_WHAT_THE_DOCS_QUOTE = (
-  "test_docs_figures.py",
-  "test_docs_snippets.py",
-  "test_readme.py",
-)
-
-
-def runs_as_a_reader_does(item) -> bool:
-  """The tests of the docs' printed values, and the docstrings' examples."""
-  return (
-    item.path.name in PRINTS_WHAT_THE_DOCS_QUOTE
-    or item.path.parent.name != "tests"
-  )
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-  # What the docs quote is computed as a reader's run computes it; the
-  # other tests compile the CPU's programs without LLVM's expensive
-  # optimizations (tests/cpu_compile_level.py).
-  cpu_compile_level.set_unoptimized(not runs_as_a_reader_does(item))
 
 
 def pytest_collection_modifyitems(config, items):

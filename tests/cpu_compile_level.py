@@ -2,25 +2,23 @@
 
 Most of the suite's time is XLA:CPU compiling programs that then run once on
 a few rows, and much of a compilation is LLVM optimizing their machine code.
-Outside what a reader runs (tests/conftest.py), a CPU program is compiled as
-JAX's ``jax_disable_most_optimizations`` compiles it: backend optimization
-level 0, LLVM's expensive passes off. XLA's own passes run as by default, so
-the optimized HLO, its buffers and its copies are a user's
+Every test (tests/conftest.py) compiles a CPU program as JAX's
+``jax_disable_most_optimizations`` compiles it: backend optimization level
+0, LLVM's expensive passes off. XLA's own passes run as by default, so the
+optimized HLO, its buffers and its copies are a user's
 (tests/test_cpu_program.py compares them on the window's program), and
 every claim compares two programs compiled alike (the window against its
 large-batch reference). Floats may differ from a default build's in the
-last bits.
+last bits, as they differ between two host CPUs of other vector widths: a
+printed value the docs quote must not hang on them, and every page printed
+the same at both levels when the docs' tests moved to this one.
 
 Programs for other platforms (the compile-only H100s and TPUs, whose
 programs the compiled tier audits) keep XLA's defaults: JAX's flag would
-reach them too, hence the hook on the CPU's compile options here. The tests
-that hold printed values to the text a reader reads (the pages, the README,
-the docstrings' examples) compile as the reader's run does, so the figures
-they check are the reader's; the examples' tests, which run the examples at
-a tiny size no page quotes, compile at level 0. A change of level clears
-JAX's in-memory caches, so that no compiled program crosses from one level
-to the other, and a test's subprocess compiles at its test's level
-(``environment`` and ``from_environment``).
+reach them too, hence the hook on the CPU's compile options here. A change
+of level clears JAX's in-memory caches, so that no compiled program crosses
+from one level to the other, and a test's subprocess compiles at its test's
+level (``environment`` and ``from_environment``).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import textwrap
 import tomllib
 from typing import Any, NamedTuple
 
+import cpu_compile_level
 import jax
 import pytest
 
@@ -489,6 +490,8 @@ def _run_on_8_devices(
   runner = (
     "import json, sys\n"
     f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+    "import cpu_compile_level\n"
+    "cpu_compile_level.from_environment()\n"
     "import test_docs_snippets as pages\n"
     f"outputs = pages.run_page({page!r})\n"
     f"open({str(record)!r}, 'w').write(json.dumps(outputs))\n"
@@ -501,6 +504,7 @@ def _run_on_8_devices(
   env["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
   )
+  env.update(cpu_compile_level.environment())
   result = subprocess.run(
     [sys.executable, "-c", runner],
     env=env,

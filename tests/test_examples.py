@@ -324,9 +324,8 @@ def test_lm_token_weighting(lm_example, byte_lm, tmp_path, capsys):
 
 
 # examples/data_parallel.py needs 8 simulated CPU devices, fixed when jax is
-# imported: it runs in a fresh process that calls its main.
-# The example in a fresh process (8 devices), its programs compiled at the
-# test's level (tests/cpu_compile_level.py).
+# imported: it runs in a fresh process that calls its main, and compiles at
+# the test's level (tests/cpu_compile_level.py).
 DATA_PARALLEL_DRIVER = """
 import json, runpy, sys
 import cpu_compile_level

@@ -18,7 +18,7 @@ programs the compiled tier audits) keep XLA's defaults: JAX's flag would
 reach them too, hence the hook on the CPU's compile options here. A change
 of level clears JAX's in-memory caches, so that no compiled program crosses
 from one level to the other, and a test's subprocess compiles at its test's
-level (``environment`` and ``from_environment``).
+level (it inherits the level with the environment: ``from_environment``).
 """
 
 from __future__ import annotations
@@ -53,10 +53,16 @@ compiler.get_compile_options = _compile_options
 
 
 def set_unoptimized(unoptimized: bool) -> None:
-  """Compiles the CPU's programs from now on at the given level."""
+  """Compiles the CPU's programs from now on at the given level.
+
+  The level is also written into this process's environment, which every
+  subprocess a test starts inherits: one that calls ``from_environment``
+  compiles at the level of the test that started it.
+  """
   if unoptimized != _LEVEL["unoptimized"]:
     jax.clear_caches()
     _LEVEL["unoptimized"] = unoptimized
+  os.environ[VARIABLE] = "1" if unoptimized else "0"
 
 
 @contextlib.contextmanager
@@ -68,11 +74,6 @@ def unoptimized(value: bool) -> Iterator[None]:
     yield
   finally:
     set_unoptimized(before)
-
-
-def environment() -> dict[str, str]:
-  """The variable that tells a subprocess this process's level."""
-  return {VARIABLE: "1" if _LEVEL["unoptimized"] else "0"}
 
 
 def from_environment() -> None:

@@ -18,7 +18,6 @@ import sys
 
 import checkpoint_run
 import chex
-import cpu_compile_level
 import helpers
 import jax
 import jax.numpy as jnp
@@ -34,9 +33,10 @@ RUN_SCRIPT = pathlib.Path(checkpoint_run.__file__)
 
 
 def _subprocess_env() -> dict[str, str]:
-  # The fresh process compiles the CPU's programs as this one does: the
-  # resumed run must match this one's bits.
-  env = {**os.environ, **cpu_compile_level.environment()}
+  # The fresh process compiles the CPU's programs as this one does (it
+  # inherits the level, tests/cpu_compile_level.py): the resumed run must
+  # match this one's bits.
+  env = dict(os.environ)
   repository = str(pathlib.Path(ga_optax.__file__).parent.parent)
   env["PYTHONPATH"] = os.pathsep.join(
     filter(None, [repository, env.get("PYTHONPATH")])

@@ -37,7 +37,6 @@ import textwrap
 import tomllib
 from typing import Any, NamedTuple
 
-import cpu_compile_level
 import jax
 import pytest
 
@@ -504,7 +503,6 @@ def _run_on_8_devices(
   env["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
   )
-  env.update(cpu_compile_level.environment())
   result = subprocess.run(
     [sys.executable, "-c", runner],
     env=env,

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import cpu_compile_level
 import numpy as np
 import pytest
 
@@ -355,7 +354,6 @@ def run_data_parallel(cwd: Path, *args: str) -> tuple[dict, str]:
       ],
     )
   )
-  env.update(cpu_compile_level.environment())
   example = EXAMPLES_DIR / "data_parallel.py"
   result = subprocess.run(
     [sys.executable, "-c", DATA_PARALLEL_DRIVER, str(example), *args],

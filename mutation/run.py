@@ -17,10 +17,11 @@ once in that copy, else the run stops before any test (the library changed:
 re-target the mutant). For each mutant the copy is copied again to a
 temporary directory and the mutant's edits are applied there. Pytest
 then runs the mutant's tests from the copy's root with the copy first on
-``PYTHONPATH``: the test process imports the mutated package (the
-``harness_plugin`` plugin checks it), and so does every subprocess the tests
-start, since they put their own repository root, the copy, first on the
-path. A mutant is killed when some test fails, and survives when all pass.
+the path, in a process of its own forked from one that imported the
+third-party packages once (``warm_pytest``): the test process imports the
+mutated package (the ``harness_plugin`` plugin checks it), and so does
+every subprocess the tests start, since they put their own repository
+root, the copy, first on the path. A mutant is killed when some test fails, and survives when all pass.
 The exit status is 0 only when every mutant is killed.
 """
 
@@ -39,6 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import warm_pytest
 from mutants import MUTANTS, Mutant
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -118,18 +120,13 @@ def run_tests(
   ``window_form`` pins the window's form (``GA_OPTAX_WINDOW_FORM``); None
   leaves the choice to the platform, whatever the caller's environment says.
   """
-  env = dict(os.environ)
-  env.pop("GA_OPTAX_WINDOW_FORM", None)
-  if window_form is not None:
-    env["GA_OPTAX_WINDOW_FORM"] = window_form
-  env["PYTHONPATH"] = os.pathsep.join([str(root), str(HARNESS)])
-  env["GA_OPTAX_MUTANT_ROOT"] = str(root)
-  env["GA_OPTAX_MUTANT_FILES"] = os.pathsep.join(changed)
-  env.pop("PYTHONOPTIMIZE", None)  # Bare asserts in case files must run.
-  command = [
-    sys.executable,
-    "-m",
-    "pytest",
+  variables = {
+    "GA_OPTAX_WINDOW_FORM": window_form,
+    "PYTHONPATH": os.pathsep.join([str(root), str(HARNESS)]),
+    "GA_OPTAX_MUTANT_ROOT": str(root),
+    "GA_OPTAX_MUTANT_FILES": os.pathsep.join(changed),
+  }
+  arguments = [
     "-q",
     "-p",
     "no:cacheprovider",
@@ -140,20 +137,9 @@ def run_tests(
     *(["-x"] if first_failure else []),
     *tests,
   ]
-  try:
-    result = subprocess.run(
-      command,
-      cwd=root,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-      check=False,
-    )
-  except subprocess.TimeoutExpired as error:
-    output = (error.stdout or b"").decode() if error.stdout else ""
-    return -1, output + f"\n(timed out after {timeout} s)"
-  return result.returncode, result.stdout + result.stderr
+  return warm_pytest.run(
+    root, [str(root), str(HARNESS)], variables, arguments, timeout
+  )
 
 
 def failing_tests(output: str) -> list[str]:
@@ -271,7 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n\n".join(describe(mutant) for mutant in selected))
     return 0
 
-  with tempfile.TemporaryDirectory(prefix="ga_optax_snapshot_") as directory:
+  with (
+    warm_pytest.server(),
+    tempfile.TemporaryDirectory(prefix="ga_optax_snapshot_") as directory,
+  ):
     snapshot = pathlib.Path(directory)
     copy_working_tree(snapshot)
     return run_all(snapshot, selected, args)

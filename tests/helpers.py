@@ -12,10 +12,12 @@ same windows or the same reference means the same thing:
   NNX tests share.
 - Comparisons: finite and close within float32 rounding, and a run's state
   without what no number of the run depends on.
+- The environment of a test's fresh JAX process on simulated CPU devices.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -326,3 +328,34 @@ def without_stale_accumulator(tree: Any) -> Any:
   return jax.tree.map(
     clear, tree, is_leaf=lambda node: isinstance(node, ga_optax.AccumulateState)
   )
+
+
+# --- Fresh processes ---------------------------------------------------------
+
+
+def cpu_process_environment(
+  devices: int, *path: str | os.PathLike[str]
+) -> dict[str, str]:
+  """This process's environment for a fresh JAX process on the CPU.
+
+  The device count is fixed when JAX starts its backend, so a test that
+  needs another than this process's (8, tests/conftest.py) starts a process
+  of its own: ``devices`` simulated CPU devices, ``path`` first on its
+  module path.
+  """
+  env = dict(os.environ)
+  if devices > 1:
+    env["XLA_FLAGS"] = " ".join(
+      filter(
+        None,
+        [
+          env.get("XLA_FLAGS", ""),
+          f"--xla_force_host_platform_device_count={devices}",
+        ],
+      )
+    )
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [*map(str, path), env.get("PYTHONPATH", "")])
+  )
+  return env

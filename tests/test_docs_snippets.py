@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import jax
 import pytest
+from helpers import cpu_process_environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -495,17 +496,9 @@ def _run_on_8_devices(
     f"outputs = pages.run_page({page!r})\n"
     f"open({str(record)!r}, 'w').write(json.dumps(outputs))\n"
   )
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = " ".join(
-    [env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
-  ).strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
-  )
   result = subprocess.run(
     [sys.executable, "-c", runner],
-    env=env,
+    env=cpu_process_environment(8, ROOT),
     cwd=tmp_path,
     capture_output=True,
     text=True,

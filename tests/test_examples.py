@@ -11,7 +11,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
 import re
 import struct
 import subprocess
@@ -21,6 +20,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from helpers import cpu_process_environment
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
@@ -336,23 +336,8 @@ print("RESULTS " + json.dumps(example["main"](sys.argv[2:])))
 
 
 def run_data_parallel(cwd: Path, *args: str) -> tuple[dict, str]:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = " ".join(
-    filter(
-      None,
-      [env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"],
-    )
-  )
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(
-      None,
-      [
-        str(EXAMPLES_DIR.parent),
-        str(Path(__file__).resolve().parent),
-        env.get("PYTHONPATH", ""),
-      ],
-    )
+  env = cpu_process_environment(
+    8, EXAMPLES_DIR.parent, Path(__file__).resolve().parent
   )
   example = EXAMPLES_DIR / "data_parallel.py"
   result = subprocess.run(

@@ -13,7 +13,6 @@ devices run this file as a script in a process of their own:
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import cpu_process_environment
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -495,24 +495,9 @@ def test_device_bytes_is_the_whole_analysis_when_nothing_is_on_the_host():
 
 def run_case(*cases: str, devices: int = 1) -> None:
   """Runs ``cases`` of this file in a fresh process; fails with its output."""
-  env = dict(os.environ)
-  if devices > 1:
-    env["XLA_FLAGS"] = " ".join(
-      filter(
-        None,
-        [
-          env.get("XLA_FLAGS", ""),
-          f"--xla_force_host_platform_device_count={devices}",
-        ],
-      )
-    )
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
-  )
   result = subprocess.run(
     [sys.executable, __file__, *cases],
-    env=env,
+    env=cpu_process_environment(devices, ROOT),
     capture_output=True,
     text=True,
     timeout=300,

@@ -148,7 +148,7 @@ def pytest_configure(config):
     "markers",
     "smoke: the quick subset, one test of each main claim (equivalence with"
     " the large batch per schedule, in-step micro-batching, Flax, Equinox,"
-    " data parallel); `python -m pytest -m smoke` runs it in about a minute",
+    " data parallel); `python -m pytest -m smoke` runs it alone",
   )
 
 

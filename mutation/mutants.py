@@ -1693,7 +1693,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         SCHEDULE,
-        "    return weight_sum < -jnp.inf\n",
+        "    return _never(weight_sum)\n",
         "    return stepped\n",
       ),
     ),
@@ -1710,7 +1710,7 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         SCHEDULE,
-        "      return jnp.where(weight_sum < -jnp.inf, value, jnp.zeros_like(value))\n",
+        "      return jnp.where(_never(weight_sum), value, jnp.zeros_like(value))\n",
         "      return jnp.zeros_like(value)\n",
       ),
     ),

@@ -21,8 +21,9 @@ the path, in a process of its own forked from one that imported the
 third-party packages once (``warm_pytest``): the test process imports the
 mutated package (the ``harness_plugin`` plugin checks it), and so does
 every subprocess the tests start, since they put their own repository
-root, the copy, first on the path. A mutant is killed when some test fails, and survives when all pass.
-The exit status is 0 only when every mutant is killed.
+root, the copy, first on the path. A mutant is killed when some test
+fails, and survives when all pass. The exit status is 0 only when every
+mutant is killed.
 """
 
 from __future__ import annotations

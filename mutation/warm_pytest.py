@@ -127,8 +127,8 @@ def run(
 
   ``path`` leads the module search path, as ``PYTHONPATH`` would, and
   ``variables`` change this process's environment for the run (None: the
-  variable is removed). The exit code is -1 when
-  the run took longer than ``timeout`` seconds.
+  variable is removed). The exit code is -1 when the run took longer than
+  ``timeout`` seconds, and negative when a signal ended it.
   """
   with tempfile.NamedTemporaryFile(suffix=".log") as log:
     process = _CONTEXT.Process(
@@ -150,4 +150,6 @@ def run(
     output = pathlib.Path(log.name).read_text(errors="replace")
   if timed_out:
     return -1, output + f"\n(timed out after {timeout} s)"
-  return int(process.exitcode or 0), output
+  code = process.exitcode
+  assert code is not None  # joined
+  return code, output

@@ -187,7 +187,7 @@ class HostScheduled:
     """
     if self.closing or not _keeps_comparison(weight_sum):
       return stepped
-    return weight_sum < -jnp.inf
+    return _never(weight_sum)
 
   def cleared(
     self, closes: jax.Array, value: jax.Array, weight_sum: jax.Array
@@ -196,13 +196,12 @@ class HostScheduled:
 
     A constant 0 in a donated output is copied there by a kernel of its
     own, one launch per scalar (two on XLA:GPU, through a temporary).
-    ``where(weight_sum < -inf, value, 0)`` is 0 for every weight sum, NaN
-    among them, and XLA does not fold it: the fusion that reads the
-    window's weight (for ``has_weight``, or to add to it) writes it beside.
+    ``where(never(weight_sum), value, 0)`` is 0 whatever the weight sum,
+    and the fusion that reads the window's weight writes it beside.
     """
     del closes  # the host's word: traced as a constant
     if self.closing and _keeps_comparison(weight_sum):
-      return jnp.where(weight_sum < -jnp.inf, value, jnp.zeros_like(value))
+      return jnp.where(_never(weight_sum), value, jnp.zeros_like(value))
     return jnp.zeros_like(value) if self.closing else value
 
   @property
@@ -287,8 +286,19 @@ def _select_in_order(predicate: jax.Array, taken: Any, carry: Any) -> Any:
 
 
 def _keeps_comparison(weight_sum: jax.Array) -> bool:
-  """Whether ``weight_sum < -inf`` is a comparison XLA keeps: a float sum."""
+  """Whether :func:`_never` is a comparison XLA keeps: a float sum."""
   return jnp.issubdtype(weight_sum.dtype, jnp.floating)
+
+
+def _never(weight_sum: jax.Array) -> jax.Array:
+  """False for every float weight sum, NaN among them, computed from it.
+
+  XLA does not fold ``weight_sum < -inf`` to a constant, so the fusion that
+  reads the window's weight (for ``has_weight``, or to add to it) writes
+  the result beside, where a constant in a donated output is copied there
+  by a kernel of its own.
+  """
+  return weight_sum < -jnp.inf
 
 
 def of(closing: Any) -> Schedule:

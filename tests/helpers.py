@@ -336,12 +336,11 @@ def without_stale_accumulator(tree: Any) -> Any:
 def cpu_process_environment(
   devices: int, *path: str | os.PathLike[str]
 ) -> dict[str, str]:
-  """This process's environment for a fresh JAX process on the CPU.
+  """This process's environment, for a fresh JAX process on the CPU.
 
-  The device count is fixed when JAX starts its backend, so a test that
-  needs another than this process's (8, tests/conftest.py) starts a process
-  of its own: ``devices`` simulated CPU devices, ``path`` first on its
-  module path.
+  The device count is fixed when JAX starts its backend: a test that needs
+  a process of its own (another device count, or a fresh start) gives it
+  ``devices`` simulated CPU devices and ``path`` first on its module path.
   """
   env = dict(os.environ)
   if devices > 1:

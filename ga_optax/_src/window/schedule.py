@@ -196,7 +196,7 @@ class HostScheduled:
 
     A constant 0 in a donated output is copied there by a kernel of its
     own, one launch per scalar (two on XLA:GPU, through a temporary).
-    ``where(never(weight_sum), value, 0)`` is 0 whatever the weight sum,
+    ``where(_never(weight_sum), value, 0)`` is 0 whatever the weight sum,
     and the fusion that reads the window's weight writes it beside.
     """
     del closes  # the host's word: traced as a constant

@@ -123,7 +123,6 @@ def run_tests(
   """
   variables = {
     "GA_OPTAX_WINDOW_FORM": window_form,
-    "PYTHONPATH": os.pathsep.join([str(root), str(HARNESS)]),
     "GA_OPTAX_MUTANT_ROOT": str(root),
     "GA_OPTAX_MUTANT_FILES": os.pathsep.join(changed),
   }

@@ -105,8 +105,10 @@ def _pytest(
       os.environ.pop(name, None)
     else:
       os.environ[name] = value
+  # What ``python -m pytest`` from ``root`` with PYTHONPATH=path would see,
+  # and what the subprocesses tests start see.
+  os.environ["PYTHONPATH"] = os.pathsep.join(path)
   os.chdir(root)
-  # What ``python -m pytest`` from ``root`` with PYTHONPATH=path would see.
   sys.path[:] = [root, *path, *(p for p in sys.path if p not in ("", root))]
   import pytest
 
@@ -125,9 +127,9 @@ def run(
 ) -> tuple[int, str]:
   """``python -m pytest ARGUMENTS`` run from ``root``: (exit code, output).
 
-  ``path`` leads the module search path, as ``PYTHONPATH`` would, and
-  ``variables`` change this process's environment for the run (None: the
-  variable is removed). The exit code is -1 when the run took longer than
+  ``path`` is the run's ``PYTHONPATH`` and leads its module search path,
+  and ``variables`` change this process's environment for the run (None:
+  the variable is removed). The exit code is -1 when the run took longer than
   ``timeout`` seconds, and negative when a signal ended it.
   """
   with tempfile.NamedTemporaryFile(suffix=".log") as log:

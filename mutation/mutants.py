@@ -1484,12 +1484,44 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         COMPILED_PATHS,
-        'read if opcode == "copy-start" else shape_bytes(instruction.shape)',
-        "shape_bytes(instruction.shape)",
+        '  if instruction.opcode == "copy-start":\n    return read, read\n',
+        "",
       ),
     ),
     tests=(
       "tests/test_hlo.py::test_path_audit_counts_an_asynchronous_copy_once",
+    ),
+  ),
+  Mutant(
+    name="sliced_prefetch_counted_as_its_source",
+    guarantee="cost (bytes moved per path)",
+    defect="a TPU's prefetch of a slice is counted as its tuple (the whole"
+    " buffer it is cut from, the slice and a counter)",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        '  if instruction.opcode == "slice-start":\n',
+        '  if instruction.opcode == "slice-start" and False:\n',
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_a_sliced_prefetch_once",
+    ),
+  ),
+  Mutant(
+    name="prefetched_slices_viewed_as_a_copy",
+    guarantee="cost (bytes moved per path)",
+    defect="the view of a TPU's prefetched slices as one buffer is counted"
+    " as a read and a write of it",
+    edits=(
+      Edit(
+        COMPILED_PATHS,
+        '_VIEWS = frozenset({"ConcatBitcast"})',
+        "_VIEWS: frozenset[str] = frozenset()",
+      ),
+    ),
+    tests=(
+      "tests/test_hlo.py::test_path_audit_counts_a_sliced_prefetch_once",
     ),
   ),
   Mutant(

@@ -511,6 +511,45 @@ def test_path_audit_counts_an_asynchronous_copy_once():
   assert audit.bytes_moved == 2 * 1024
 
 
+# A TPU program prefetches a buffer into its on-chip memory (S(1)) in
+# slices: each ``slice-start``'s result is a tuple of the source, the slice
+# and a context, and a ``ConcatBitcast`` custom call views the slices, side
+# by side, as one buffer.
+SLICED_PREFETCH_TEXT = """\
+HloModule jit_step, is_scheduled=true
+
+%side_cond (c: (pred[], f32[8])) -> pred[] {
+  %c = (pred[], f32[8]{0}) parameter(0)
+  ROOT %go = pred[] get-tuple-element(%c), index=0
+}
+
+%side_body (b: (pred[], f32[8])) -> (pred[], f32[8]) {
+  ROOT %b = (pred[], f32[8]{0}) parameter(0)
+}
+
+ENTRY %main (p: f32[256], q: (pred[], f32[8])) -> f32[256] {
+  %p = f32[256]{0} parameter(0)
+  %q = (pred[], f32[8]{0}) parameter(1)
+  %opened = (pred[], f32[8]{0}) while(%q), condition=%side_cond, body=%side_body, metadata={op_name="jit(step)/ga_optax_keep_open/while"}
+  %slice-start = ((f32[256]{0}), f32[128]{0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:128]}
+  %slice-start.1 = ((f32[256]{0}), f32[128]{0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[128:256]}
+  %slice-done = f32[128]{0:S(1)} slice-done(%slice-start)
+  %slice-done.1 = f32[128]{0:S(1)} slice-done(%slice-start.1)
+  %custom-call = f32[256]{0:S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="ConcatBitcast"
+  ROOT %negate = f32[256]{0} negate(%custom-call)
+}
+"""
+
+
+def test_path_audit_counts_a_sliced_prefetch_once():
+  audit = audits.path_audit(SLICED_PREFETCH_TEXT, "micro_step")
+  # By hand: each slice-start reads and writes its 512 bytes (not the whole
+  # 1 KiB source, nor its tuple); the view moves nothing; the negate reads
+  # and writes 1 KiB.
+  assert audit.bytes_moved == 2 * (512 + 512) + 2 * 1024
+  assert audit.copies == []
+
+
 def test_path_audit_refuses_a_step_without_a_window():
   def adamw_step(params, grads):
     return params - 1e-3 * grads

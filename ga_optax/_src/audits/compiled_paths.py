@@ -14,7 +14,10 @@ path and reports what it executes there:
   1), a conditional counts the branch the path takes (the first branch on a
   micro-step, the last when a window closes: ``lax.cond``'s false and true
   branches), and parameters, constants, tuples, bitcasts and the like move
-  nothing. A loop of unknown trip count outside the window counts once.
+  nothing. An asynchronous ``copy-start`` or ``slice-start`` moves what it
+  copies or slices, not the tuple it returns, and a TPU's view of its
+  prefetched slices as one buffer (``ConcatBitcast``) moves nothing. A loop
+  of unknown trip count outside the window counts once.
 * copies: ``copy`` instructions and asynchronous ``copy-start`` ones,
   each marked when it moves a buffer between memory spaces (to or from host
   memory; a TPU's prefetch into its on-chip memory and back) rather than
@@ -42,6 +45,7 @@ from ga_optax._src.audits.hlo import (
   memory_spaces,
   parse_hlo,
   shape_bytes,
+  tuple_elements,
   window_side,
 )
 
@@ -67,6 +71,8 @@ _NO_TRAFFIC = frozenset(
 # Instructions whose callees are part of the path (not fused or reducers).
 _CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start"})
 _COPY_OPCODES = frozenset({"copy", "copy-start"})
+# Custom calls that name buffers already in place as one (a TPU's slices).
+_VIEWS = frozenset({"ConcatBitcast"})
 # Bytes an instruction on scalars moves at most (a few 8-byte operands).
 _SCALAR_TRAFFIC = 64
 
@@ -269,14 +275,7 @@ def path_audit(
         continue
       if opcode in _NO_TRAFFIC or opcode.endswith("-done") or not trips:
         continue
-      read = sum(
-        shape_bytes(shapes.get(operand, "")) for operand in instruction.operands
-      )
-      # An asynchronous copy's result is a tuple of the destination, the
-      # source and a context: what it writes is its operand, once.
-      written = (
-        read if opcode == "copy-start" else shape_bytes(instruction.shape)
-      )
+      read, written = _traffic(instruction, shapes)
       moved = read + written
       total += trips * moved
       if opcode in _COPY_OPCODES:
@@ -302,6 +301,35 @@ def path_audit(
 
   walk(module.entry, 1, False)
   return PathAudit(path, total, copies, collectives, misplaced)
+
+
+def _traffic(
+  instruction: HloInstruction, shapes: dict[str, str]
+) -> tuple[int, int]:
+  """The bytes ``instruction`` reads and writes, once.
+
+  Its operands read and its result written, but for the asynchronous
+  starts, whose result tuple holds the source besides what they write, and
+  a TPU's prefetch of a buffer into its on-chip memory in slices:
+
+  * a ``copy-start`` (the destination, the source, a context) reads and
+    writes its operand;
+  * a ``slice-start`` (the source, the slice, a context) reads and writes
+    the slice, not the whole buffer it is cut from;
+  * a ``ConcatBitcast`` custom call, which views the slices that sit side
+    by side as one buffer, moves nothing.
+  """
+  if instruction.opcode == "custom-call" and instruction.target in _VIEWS:
+    return 0, 0
+  read = sum(
+    shape_bytes(shapes.get(operand, "")) for operand in instruction.operands
+  )
+  if instruction.opcode == "copy-start":
+    return read, read
+  if instruction.opcode == "slice-start":
+    cut = shape_bytes(tuple_elements(instruction.shape)[1])
+    return cut, cut
+  return read, shape_bytes(instruction.shape)
 
 
 def _between_memory_spaces(

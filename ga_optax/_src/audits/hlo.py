@@ -56,6 +56,7 @@ _PRED_BRANCHES = re.compile(
   r"\btrue_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)"
 )
 _OP_NAME = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
+_CUSTOM_CALL_TARGET = re.compile(r'\bcustom_call_target="([^"]*)"')
 _CALLEE_LIST = re.compile(
   r"\b(?:branch_computations|called_computations)=\{([^}]*)\}"
 )
@@ -76,6 +77,8 @@ class HloInstruction(NamedTuple):
     op_name: the JAX operation it was compiled from, with its name scopes
       (``jit(step)/ga_optax_close_window/while``, say), from its metadata;
       empty where the compiler gave none.
+    target: a ``custom-call``'s target (``ConcatBitcast``, say); empty for
+      every other instruction.
   """
 
   name: str
@@ -85,6 +88,7 @@ class HloInstruction(NamedTuple):
   callees: tuple[str, ...]
   trip_count: int | None = None
   op_name: str = ""
+  target: str = ""
 
 
 class HloModule(NamedTuple):
@@ -149,6 +153,18 @@ def shape_bytes(shape: str) -> int:
   return total
 
 
+def tuple_elements(shape: str) -> list[str]:
+  """The elements of an HLO tuple shape string, each a shape string.
+
+  Raises:
+    ValueError: ``shape`` is not a tuple.
+  """
+  shape = shape.strip()
+  if not (shape.startswith("(") and shape.endswith(")")):
+    raise ValueError(f"not a tuple shape: {shape!r}")
+  return _split_top_level(shape[1:-1])
+
+
 def _split_top_level(text: str) -> list[str]:
   """Splits on commas that are not nested in brackets or braces."""
   parts, depth, start = [], 0, 0
@@ -204,6 +220,7 @@ def _parse_instruction(line: str) -> HloInstruction | None:
     callees.extend(callee.strip().lstrip("%") for callee in listed.split(","))
   trip_count = _TRIP_COUNT.search(attributes)
   op_name = _OP_NAME.search(attributes)
+  target = _CUSTOM_CALL_TARGET.search(attributes)
   return HloInstruction(
     name.lstrip("%"),
     opcode,
@@ -212,6 +229,7 @@ def _parse_instruction(line: str) -> HloInstruction | None:
     tuple(callees),
     int(trip_count.group(1)) if trip_count else None,
     op_name.group(1) if op_name else "",
+    target.group(1) if target else "",
   )
 
 

@@ -1504,9 +1504,7 @@ MUTANTS: tuple[Mutant, ...] = (
         '  if instruction.opcode == "slice-start" and False:\n',
       ),
     ),
-    tests=(
-      "tests/test_hlo.py::test_path_audit_counts_a_sliced_prefetch_once",
-    ),
+    tests=("tests/test_hlo.py::test_path_audit_counts_a_sliced_prefetch_once",),
   ),
   Mutant(
     name="prefetched_slices_viewed_as_a_copy",
@@ -1520,9 +1518,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "_VIEWS: frozenset[str] = frozenset()",
       ),
     ),
-    tests=(
-      "tests/test_hlo.py::test_path_audit_counts_a_sliced_prefetch_once",
-    ),
+    tests=("tests/test_hlo.py::test_path_audit_counts_a_sliced_prefetch_once",),
   ),
   Mutant(
     name="command_buffers_ignored",

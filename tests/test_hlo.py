@@ -478,10 +478,10 @@ def test_shape_bytes(shape, expected):
   assert shape_bytes(shape) == expected
 
 
-# A window's micro-step that copies a buffer to host memory asynchronously:
-# XLA prints the copy as a ``copy-start`` / ``copy-done`` pair, the start's
-# result a tuple of the destination, the source and a context.
-ASYNC_COPY_TEXT = """\
+# The head of the hand-written modules below: the computations of a
+# window's side, a loop of at most one trip (its scope is named where the
+# entry runs it). An audit refuses a module without one.
+A_WINDOW_SIDE = """\
 HloModule jit_step, is_scheduled=true
 
 %side_cond (c: (pred[], f32[8])) -> pred[] {
@@ -492,15 +492,33 @@ HloModule jit_step, is_scheduled=true
 %side_body (b: (pred[], f32[8])) -> (pred[], f32[8]) {
   ROOT %b = (pred[], f32[8]{0}) parameter(0)
 }
+"""
 
+
+def a_micro_step_on_p(instructions: str) -> str:
+  """A module whose entry opens the window's side, then runs
+  ``instructions`` (the last of them its root) on its parameter ``%p``, an
+  ``f32[256]``."""
+  return (
+    A_WINDOW_SIDE
+    + """
 ENTRY %main (p: f32[256], q: (pred[], f32[8])) -> f32[256] {
   %p = f32[256]{0} parameter(0)
   %q = (pred[], f32[8]{0}) parameter(1)
   %opened = (pred[], f32[8]{0}) while(%q), condition=%side_cond, body=%side_body, metadata={op_name="jit(step)/ga_optax_keep_open/while"}
+"""
+    + instructions
+    + "}\n"
+  )
+
+
+# A window's micro-step that copies a buffer to host memory asynchronously:
+# XLA prints the copy as a ``copy-start`` / ``copy-done`` pair, the start's
+# result a tuple of the destination, the source and a context.
+ASYNC_COPY_TEXT = a_micro_step_on_p("""\
   %copy-start = (f32[256]{0:S(5)}, f32[256]{0}, u32[]) copy-start(%p)
   ROOT %copy-done = f32[256]{0:S(5)} copy-done(%copy-start)
-}
-"""
+""")
 
 
 def test_path_audit_counts_an_asynchronous_copy_once():
@@ -515,30 +533,14 @@ def test_path_audit_counts_an_asynchronous_copy_once():
 # slices: each ``slice-start``'s result is a tuple of the source, the slice
 # and a context, and a ``ConcatBitcast`` custom call views the slices, side
 # by side, as one buffer.
-SLICED_PREFETCH_TEXT = """\
-HloModule jit_step, is_scheduled=true
-
-%side_cond (c: (pred[], f32[8])) -> pred[] {
-  %c = (pred[], f32[8]{0}) parameter(0)
-  ROOT %go = pred[] get-tuple-element(%c), index=0
-}
-
-%side_body (b: (pred[], f32[8])) -> (pred[], f32[8]) {
-  ROOT %b = (pred[], f32[8]{0}) parameter(0)
-}
-
-ENTRY %main (p: f32[256], q: (pred[], f32[8])) -> f32[256] {
-  %p = f32[256]{0} parameter(0)
-  %q = (pred[], f32[8]{0}) parameter(1)
-  %opened = (pred[], f32[8]{0}) while(%q), condition=%side_cond, body=%side_body, metadata={op_name="jit(step)/ga_optax_keep_open/while"}
+SLICED_PREFETCH_TEXT = a_micro_step_on_p("""\
   %slice-start = ((f32[256]{0}), f32[128]{0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:128]}
   %slice-start.1 = ((f32[256]{0}), f32[128]{0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[128:256]}
   %slice-done = f32[128]{0:S(1)} slice-done(%slice-start)
   %slice-done.1 = f32[128]{0:S(1)} slice-done(%slice-start.1)
   %custom-call = f32[256]{0:S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="ConcatBitcast"
   ROOT %negate = f32[256]{0} negate(%custom-call)
-}
-"""
+""")
 
 
 def test_path_audit_counts_a_sliced_prefetch_once():
@@ -575,18 +577,9 @@ def test_path_audit_refuses_a_step_without_a_window():
 # computation called from two call sites (run twice), an asynchronous copy
 # within device memory (a duplicate, not a move), and a plain copy of 512
 # bytes.
-COUNTING_TEXT = """\
-HloModule jit_step, is_scheduled=true
-
-%side_cond (c: (pred[], f32[8])) -> pred[] {
-  %c = (pred[], f32[8]{0}) parameter(0)
-  ROOT %go = pred[] get-tuple-element(%c), index=0
-}
-
-%side_body (b: (pred[], f32[8])) -> (pred[], f32[8]) {
-  ROOT %b = (pred[], f32[8]{0}) parameter(0)
-}
-
+COUNTING_TEXT = (
+  A_WINDOW_SIDE
+  + """
 %empty_cond (ec: (pred[], f32[256])) -> pred[] {
   %ec = (pred[], f32[256]{0}) parameter(0)
   ROOT %ego = pred[] get-tuple-element(%ec), index=0
@@ -621,6 +614,7 @@ ENTRY %main (p: f32[256], q: (pred[], f32[8]), r: (pred[], f32[256]), s: f32[64]
   ROOT %out = (f32[64]{0}, f32[64]{0}, f32[256]{0}, f32[128]{0}) tuple(%once, %again, %copy-done, %copy)
 }
 """
+)
 
 
 @pytest.mark.parametrize("path", ["micro_step", "closing"])

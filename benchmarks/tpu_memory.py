@@ -6,7 +6,9 @@ is not), params and state donated, and reads each program's peak memory
 (``memory_analysis().peak_memory_in_bytes``): plain Adam, ``optax.MultiSteps``
 ``ga_optax.accumulate``, the device deciding and the host (``closing=False``
 and ``closing=True``), and ``ga_optax.accumulate_and_apply``, the device
-deciding. Then ``ga_optax.planning.plan_microbatch``,
+deciding; and the bytes a micro-step moves (the path audit), against the
+floor: the host's micro-step, the gradient added into the accumulator. Then
+``ga_optax.planning.plan_microbatch``,
 compiling for the same chip (``device=``), finds the largest micro-batch of
 ``accumulate(adam)`` whose micro-step fits a share of the chip's memory, and
 the k that reaches the global batch. These are compiler figures, never
@@ -16,6 +18,8 @@ Usage::
 
   JAX_PLATFORMS=cpu python benchmarks/tpu_memory.py     # 24 x 4096², v5e
   JAX_PLATFORMS=cpu python benchmarks/tpu_memory.py --depth 2 --width 256
+  JAX_PLATFORMS=cpu python benchmarks/tpu_memory.py --depth 4 --width 1024 \
+    --micro-batch 8    # the micro-step's bytes where the state fits on-chip
 """
 
 from __future__ import annotations
@@ -73,10 +77,23 @@ def train_step(loss_fn: Any, tx: Any, **options: Any) -> Any:
   return step
 
 
-def peaks(
+# The floor of a micro-step's bytes: the gradient added into the accumulator.
+FLOOR = "accumulate, closing=False"
+# The steps a window's micro-step runs (closing=True's program closes).
+MICRO_STEPS = (
+  "plain Adam",
+  "optax.MultiSteps",
+  "accumulate, the device decides",
+  FLOOR,
+  "accumulate_and_apply, the device",
+)
+
+
+def compiled_figures(
   width: int, depth: int, micro_batch: int, k: int, target: str
-) -> dict[str, int]:
-  """Peak memory of each contender's step, in bytes."""
+) -> tuple[dict[str, int], dict[str, int]]:
+  """Each contender's peak memory, and the bytes its micro-step moves
+  (:data:`MICRO_STEPS`), from its program compiled once."""
   params, loss_fn = mlp(width, depth)
   batch = {"x": jax.ShapeDtypeStruct((micro_batch, width), jnp.float32)}
   adam = optax.adam(1e-3)
@@ -107,7 +124,7 @@ def peaks(
     ),
     "accumulate_and_apply, the device": (fused_step(fused), fused),
   }
-  figures = {}
+  peaks, moved = {}, {}
   for name, (step, tx) in contenders.items():
     program = audits.compile_for_tpu(
       step,
@@ -117,8 +134,12 @@ def peaks(
       target=target,
       donate_argnums=(0, 1),
     )
-    figures[name] = int(program.memory_analysis().peak_memory_in_bytes)
-  return figures
+    peaks[name] = int(program.memory_analysis().peak_memory_in_bytes)
+    if name in MICRO_STEPS:
+      moved[name] = audits.path_audit(
+        program, "micro_step", require_window=False
+      ).bytes_moved
+  return peaks, moved
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -140,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   params, loss_fn = mlp(args.width, args.depth)
   param_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(params))
-  figures = peaks(
+  figures, moved = compiled_figures(
     args.width, args.depth, args.micro_batch, args.every_k, args.target
   )
   multi_steps = figures["optax.MultiSteps"]
@@ -155,6 +176,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
       f"{name:34} {peak / GIB:7.2f} {peak / param_bytes:9.2f}"
       f" {peak / multi_steps:13.2f}"
+    )
+
+  print(f"\n{'a micro-step of':34} {'MiB moved':>10} {'x the floor':>12}")
+  for name, bytes_moved in moved.items():
+    print(
+      f"{name:34} {bytes_moved / 2**20:10.1f}"
+      f" {bytes_moved / moved[FLOOR]:12.2f}"
     )
 
   budget = int(HBM_BYTES[args.target] * args.memory_fraction)
@@ -190,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "every_k": args.every_k,
     "param_bytes": param_bytes,
     "peak_bytes": figures,
+    "micro_step_bytes_moved": moved,
     "plan": plan._asdict(),
   }
   args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -482,6 +482,10 @@ def test_the_memory_benchmark_runs_and_its_plan_fits(tmp_path):
   )
   peaks = record["peak_bytes"]
   assert len(peaks) == 6 and min(peaks.values()) > record["param_bytes"]
+  moved = record["micro_step_bytes_moved"]
+  assert list(moved) == list(tpu_memory.MICRO_STEPS)
+  # MultiSteps runs Adam on every call; the floor, no optimizer at all.
+  assert moved["optax.MultiSteps"] > moved[tpu_memory.FLOOR] > 0
   plan = record["plan"]
   assert plan["micro_batch_size"] * plan["num_microbatches"] == 64
   assert plan["compiled_bytes"] <= plan["memory_budget_bytes"]

@@ -79,7 +79,8 @@ def train_step(loss_fn: Any, tx: Any, **options: Any) -> Any:
 
 # The floor of a micro-step's bytes: the gradient added into the accumulator.
 FLOOR = "accumulate, closing=False"
-# The steps a window's micro-step runs (closing=True's program closes).
+# The steps whose bytes are a micro-step's: all but closing=True's program,
+# which closes the window.
 MICRO_STEPS = (
   "plain Adam",
   "optax.MultiSteps",

@@ -308,9 +308,8 @@ def _traffic(
 ) -> tuple[int, int]:
   """The bytes ``instruction`` reads and writes, once.
 
-  Its operands read and its result written, but for the asynchronous
-  starts, whose result tuple holds the source besides what they write, and
-  a TPU's prefetch of a buffer into its on-chip memory in slices:
+  Each operand read and the result written, except where the result is not
+  what the instruction writes:
 
   * a ``copy-start`` (the destination, the source, a context) reads and
     writes its operand;

@@ -1684,6 +1684,57 @@ MUTANTS: tuple[Mutant, ...] = (
     window_form="conditional",
   ),
   Mutant(
+    name="the_cpu_fused_close_keeps_its_sums",
+    guarantee="one state for both schedules (every close empties the window)",
+    defect="on the CPU the select after the closing branch of"
+    " accumulate_and_apply, which the branch leaves the accumulator to, keeps"
+    " it: the next window adds onto the last one's sums",
+    edits=(
+      Edit(
+        RUN_ONCE,
+        "    del taken\n"
+        "    return carried\n"
+        "\n"
+        "  return window_form.choose(\n"
+        "    jnp.asarray(predicate),\n"
+        "    carry,\n"
+        "    loops=as_loops,\n"
+        "    conditional=functools.partial(_zeros_where, emptied),\n",
+        "    del taken\n"
+        "    return carried\n"
+        "\n"
+        "  return window_form.choose(\n"
+        "    jnp.asarray(predicate),\n"
+        "    carry,\n"
+        "    loops=as_loops,\n"
+        "    conditional=as_loops,\n",
+      ),
+    ),
+    tests=(
+      "tests/test_accumulate.py::AccumulateTest::test_every_close_leaves_the_accumulator_at_zero_(fused=True, host_scheduled=False, window='steps')__with_jit",
+    ),
+    window_form="conditional",
+  ),
+  Mutant(
+    name="the_cpu_fused_branch_writes_its_own_zeros",
+    guarantee="cost (accumulate_and_apply on the CPU: temporaries, copies)",
+    defect="on the CPU the closing branch of accumulate_and_apply writes"
+    " zeros over the accumulator itself: XLA:CPU gives them a buffer of"
+    " their own, holds every layer's sum apart and copies the accumulator"
+    " on every close",
+    edits=(
+      Edit(
+        RUN_ONCE,
+        "  def as_conditional(carried: Carry) -> Carry:\n    return carried\n",
+        "  def as_conditional(carried: Carry) -> Carry:\n"
+        "    return emptied(carried)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_cpu_program.py::test_the_fused_window_holds_one_gradient_layer_of_temporaries",
+    ),
+  ),
+  Mutant(
     name="an_empty_window_keeps_its_sums",
     guarantee="one state for both schedules (an empty window is emptied too)",
     defect="a window closed without weight (weights 0, or summing to 0)"

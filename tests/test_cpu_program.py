@@ -61,6 +61,8 @@ def compiled(tx):
 
   def step(params, state, batch):
     grads = jax.grad(loss_fn)(params, batch)
+    if isinstance(tx, ga_optax.FusedAccumulation):
+      return tx.apply(params, grads, state)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -82,13 +84,17 @@ def the_form_the_cpu_chooses() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def programs():
-  """The plain Adam step and ``accumulate``'s, each compiled once, in the
-  form the CPU chooses, at the suite's level (tests/cpu_compile_level.py)."""
+  """The plain Adam step, ``accumulate``'s and ``accumulate_and_apply``'s,
+  each compiled once, in the form the CPU chooses, at the suite's level
+  (tests/cpu_compile_level.py)."""
   adam = optax.adam(1e-3)
   with the_form_the_cpu_chooses():
     return {
       "adam": compiled(adam),
       "accumulate": compiled(ga_optax.accumulate(adam, EVERY_K)),
+      "accumulate_and_apply": compiled(
+        ga_optax.accumulate_and_apply(adam, EVERY_K)
+      ),
     }
 
 
@@ -116,12 +122,28 @@ def test_the_window_holds_no_more_temporaries_than_a_plain_adam_step(
   assert window <= plain, (window, plain)
 
 
-def test_a_micro_step_copies_no_layer(programs):
+def test_the_fused_window_holds_one_gradient_layer_of_temporaries(programs):
+  """``accumulate_and_apply`` holds one layer's gradient and small buffers,
+  within the contract's 0.6 of a plain Adam step's (it held every layer's
+  sum apart while its closing branch zeroed the accumulator itself:
+  ga_optax/_src/window/run_once.py, ``emptied_in_branch``)."""
+  leaf_bytes = WIDTH * WIDTH * 4
+  fused, plain = (
+    temporaries(programs["accumulate_and_apply"]),
+    temporaries(programs["adam"]),
+  )
+  assert leaf_bytes <= fused < 2 * leaf_bytes, (fused, leaf_bytes)
+  assert fused <= 0.6 * plain, (fused, plain)
+
+
+@pytest.mark.parametrize("name", ["accumulate", "accumulate_and_apply"])
+def test_a_micro_step_copies_no_layer(programs, name):
   """Nothing the size of a layer is copied on either path (the window at
   the floor copied the whole accumulator on every micro-step, in the
-  conditional that zeroed it), and the closing side's work stays in it."""
+  conditional that zeroed it; the fused window copied it on every close),
+  and the closing side's work stays in it."""
   leaf_bytes = WIDTH * WIDTH * 4
-  program = programs["accumulate"]
+  program = programs[name]
   for path in ("micro_step", "closing"):
     audit = audits.path_audit(program, path)
     assert audit.copied_bytes(at_least=leaf_bytes) == 0, (path, audit.copies)

@@ -242,14 +242,19 @@ class Call:
   def cleared(self, accumulator: optax.Updates) -> optax.Updates:
     """The accumulator at zero once the window has closed.
 
-    The closing side zeroes it itself, but where its buffer carried the
-    updates out: those are read first, then the buffer is zeroed in place,
-    by a branch of its own that a micro-step skips (on the CPU, a select:
-    :func:`ga_optax._src.window.run_once.emptied_if`). Only the device's
-    schedule carries its output in the accumulator.
+    Where its buffer carried the updates out, those are read first, then
+    the buffer is zeroed in place, by a branch of its own that a micro-step
+    skips (on the CPU, a select:
+    :func:`ga_optax._src.window.run_once.emptied_if`); only the device's
+    schedule carries its output in the accumulator. Otherwise the closing
+    side zeroed it, but for the device's schedule on the CPU, which zeroes
+    it here, with a select after the branch
+    (:meth:`ga_optax._src.window.schedule.DeviceScheduled.emptied_after_close`).
     """
     if self.carrier is not Carrier.ACCUMULATOR:
-      return accumulator
+      return self.schedule.emptied_after_close(
+        self.decision.closes, self.window.placement.emptied, accumulator
+      )
     return run_once.emptied_if(
       self.decision.closes,
       self.window.placement.emptied,
@@ -338,9 +343,14 @@ class ClosingSide:
     )
 
   def emptied(self, carry: Carry) -> Carry:
-    """``carry`` with its accumulator at zero, written in place."""
-    placement = self.call.window.placement
-    return carry._replace(accumulator=placement.emptied(carry.accumulator))
+    """``carry`` with its accumulator at zero, written in place (on the
+    device's schedule on the CPU, left for :meth:`Call.cleared`)."""
+    call = self.call
+    return carry._replace(
+      accumulator=call.schedule.emptied_in_close(
+        call.window.placement.emptied, carry.accumulator
+      )
+    )
 
   def mean(self, sums: Any, total_weight: jax.Array) -> Any:
     """The window's reduced gradient, in the gradients' dtypes."""

@@ -111,13 +111,77 @@ def emptied_if(
   def as_loops(taken: jax.Array, carried: Carry) -> Carry:
     return run_once_if(taken, emptied, carried, name=name)
 
-  def as_select(taken: jax.Array, carried: Carry) -> Carry:
-    return jax.tree.map(
-      lambda zero, leaf: jnp.where(taken, zero, leaf), emptied(carried), carried
-    )
+  return window_form.choose(
+    jnp.asarray(predicate),
+    carry,
+    loops=as_loops,
+    conditional=functools.partial(_zeros_where, emptied),
+  )
+
+
+def emptied_in_branch(emptied: Callable[[Carry], Carry], carry: Carry) -> Carry:
+  """What a branch that closes the window hands back of a buffer it empties.
+
+  In the loops form, ``emptied(carry)``: XLA:GPU writes the zeros in the
+  pass that last reads the buffer. In the conditional form, ``carry`` as it
+  came, for :func:`emptied_after_branch` to zero once the conditional has
+  run. Zeros made inside a branch read nothing, so XLA:CPU wrote them into
+  a buffer of their own and copied into it what the other branch hands
+  back: ``accumulate_and_apply``'s step held every layer's sum apart (twice
+  a plain Adam step's temporaries) and copied the accumulator on every
+  close.
+
+  Args:
+    emptied: maps ``carry`` to zeros of its structure, shapes and dtypes,
+      made without reading it.
+    carry: the buffers the branch empties.
+
+  Returns:
+    ``emptied(carry)``, or ``carry`` in the conditional form.
+  """
+
+  def as_conditional(carried: Carry) -> Carry:
+    return carried
+
+  return window_form.choose(carry, loops=emptied, conditional=as_conditional)
+
+
+def emptied_after_branch(
+  predicate: jax.Array, emptied: Callable[[Carry], Carry], carry: Carry
+) -> Carry:
+  """The other half of :func:`emptied_in_branch`, after the conditional.
+
+  In the loops form the branch emptied ``carry``, handed back as it is. In
+  the conditional form, ``where(predicate, emptied(carry), carry)``, which
+  XLA:CPU writes in place after the conditional.
+
+  Args:
+    predicate: whether the branch ran (the window closed).
+    emptied: as for :func:`emptied_in_branch`.
+    carry: what the branch handed back.
+
+  Returns:
+    ``carry``, or in the conditional form zeros where ``predicate`` holds.
+  """
+
+  def as_loops(taken: jax.Array, carried: Carry) -> Carry:
+    del taken
+    return carried
 
   return window_form.choose(
-    jnp.asarray(predicate), carry, loops=as_loops, conditional=as_select
+    jnp.asarray(predicate),
+    carry,
+    loops=as_loops,
+    conditional=functools.partial(_zeros_where, emptied),
+  )
+
+
+def _zeros_where(
+  emptied: Callable[[Carry], Carry], taken: jax.Array, carried: Carry
+) -> Carry:
+  """``where(taken, emptied(carried), carried)``, leaf by leaf."""
+  return jax.tree.map(
+    lambda zero, leaf: jnp.where(taken, zero, leaf), emptied(carried), carried
   )
 
 

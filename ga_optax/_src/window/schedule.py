@@ -99,6 +99,20 @@ class DeviceScheduled:
     """Whether the closing side may write its output into a carried buffer."""
     return True
 
+  def emptied_in_close(
+    self, emptied: Callable[[Any], Any], accumulator: Any
+  ) -> Any:
+    """The accumulator as the closing side leaves it, once it has read it:
+    zeros, or on the CPU the sums, zeroed after the branch
+    (:func:`ga_optax._src.window.run_once.emptied_in_branch`)."""
+    return run_once.emptied_in_branch(emptied, accumulator)
+
+  def emptied_after_close(
+    self, closes: jax.Array, emptied: Callable[[Any], Any], accumulator: Any
+  ) -> Any:
+    """The accumulator the closing side left, at zero where it closed."""
+    return run_once.emptied_after_branch(closes, emptied, accumulator)
+
 
 @dataclasses.dataclass(frozen=True)
 class HostScheduled:
@@ -203,6 +217,19 @@ class HostScheduled:
     if self.closing and _keeps_comparison(weight_sum):
       return jnp.where(_never(weight_sum), value, jnp.zeros_like(value))
     return jnp.zeros_like(value) if self.closing else value
+
+  def emptied_in_close(
+    self, emptied: Callable[[Any], Any], accumulator: Any
+  ) -> Any:
+    """Zeros: the closing program has no branch to leave it to."""
+    return emptied(accumulator)
+
+  def emptied_after_close(
+    self, closes: jax.Array, emptied: Callable[[Any], Any], accumulator: Any
+  ) -> Any:
+    """The accumulator as the closing side left it (emptied)."""
+    del closes, emptied
+    return accumulator
 
   @property
   def carries_buffers(self) -> bool:

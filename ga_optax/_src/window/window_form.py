@@ -11,11 +11,14 @@ compiled program:
 * ``"conditional"``: each branch is a ``lax.cond``. XLA:CPU splits
   elementwise work over its cores in a conditional's branch but not inside a
   loop body, and its copy insertion copies nothing for a branch that
-  forwards its operands. The one exception is the accumulator zeroed after
-  the caller has read the updates out of its buffer: a branch that forwards
-  it would be copied on every micro-step (XLA:CPU cannot order it after that
-  read), so this form zeroes it with a select
-  (:func:`ga_optax._src.window.run_once.emptied_if`).
+  forwards its operands. The one exception is the accumulator, which this
+  form zeroes with a select after the branches: zeroed after the caller has
+  read the updates out of its buffer, a branch that forwards it would be
+  copied on every micro-step (XLA:CPU cannot order it after that read:
+  :func:`ga_optax._src.window.run_once.emptied_if`), and zeros written by
+  the closing branch itself got a buffer of their own, into which the other
+  branch's accumulator was copied
+  (:func:`ga_optax._src.window.run_once.emptied_in_branch`).
 
 The host's schedule (``closing=``) has no branch, and no form.
 
@@ -69,22 +72,18 @@ def form_for(platform: str) -> str:
 
 
 def choose(
-  index: Any,
   *operands: Any,
   loops: Callable[..., Any],
   conditional: Callable[..., Any],
 ) -> Any:
-  """``loops(index, *operands)`` or ``conditional(index, *operands)``.
+  """``loops(*operands)`` or ``conditional(*operands)``.
 
   The form pinned by ``GA_OPTAX_WINDOW_FORM``, or else the platform's: the
-  conditional form on the CPU, the loops everywhere else. ``index`` is
-  passed through to the chosen function (the window's predicate).
+  conditional form on the CPU, the loops everywhere else.
   """
   form = pinned()
   if form == LOOPS:
-    return loops(index, *operands)
+    return loops(*operands)
   if form == CONDITIONAL:
-    return conditional(index, *operands)
-  return jax.lax.platform_dependent(
-    index, *operands, cpu=conditional, default=loops
-  )
+    return conditional(*operands)
+  return jax.lax.platform_dependent(*operands, cpu=conditional, default=loops)

@@ -1686,28 +1686,16 @@ MUTANTS: tuple[Mutant, ...] = (
   Mutant(
     name="the_cpu_fused_close_keeps_its_sums",
     guarantee="one state for both schedules (every close empties the window)",
-    defect="on the CPU the select after the closing branch of"
-    " accumulate_and_apply, which the branch leaves the accumulator to, keeps"
-    " it: the next window adds onto the last one's sums",
+    defect="on the CPU nothing zeroes the accumulator that the closing"
+    " branch of accumulate_and_apply leaves to the select after it: the next"
+    " window adds onto the last one's sums",
     edits=(
       Edit(
-        RUN_ONCE,
-        "    del taken\n"
-        "    return carried\n"
-        "\n"
-        "  return window_form.choose(\n"
-        "    jnp.asarray(predicate),\n"
-        "    carry,\n"
-        "    loops=as_loops,\n"
-        "    conditional=functools.partial(_zeros_where, emptied),\n",
-        "    del taken\n"
-        "    return carried\n"
-        "\n"
-        "  return window_form.choose(\n"
-        "    jnp.asarray(predicate),\n"
-        "    carry,\n"
-        "    loops=as_loops,\n"
-        "    conditional=as_loops,\n",
+        MICRO_STEP,
+        "      return self.schedule.emptied_after_close(\n"
+        "        self.decision.closes, self.window.placement.emptied, accumulator\n"
+        "      )\n",
+        "      return accumulator\n",
       ),
     ),
     tests=(

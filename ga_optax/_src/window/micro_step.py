@@ -242,13 +242,12 @@ class Call:
   def cleared(self, accumulator: optax.Updates) -> optax.Updates:
     """The accumulator at zero once the window has closed.
 
-    Where its buffer carried the updates out, those are read first, then
-    the buffer is zeroed in place, by a branch of its own that a micro-step
-    skips (on the CPU, a select:
-    :func:`ga_optax._src.window.run_once.emptied_if`); only the device's
-    schedule carries its output in the accumulator. Otherwise the closing
-    side zeroed it, but for the device's schedule on the CPU, which zeroes
-    it here, with a select after the branch
+    Where its buffer carried the updates out (only the device's schedule
+    does), those are read first, then the buffer is zeroed in place, by a
+    branch of its own that a micro-step skips (on the CPU, a select:
+    :func:`ga_optax._src.window.run_once.emptied_if`). Otherwise the closing
+    side zeroes it, except on the device's schedule on the CPU, where a
+    select after the branch does
     (:meth:`ga_optax._src.window.schedule.DeviceScheduled.emptied_after_close`).
     """
     if self.carrier is not Carrier.ACCUMULATOR:

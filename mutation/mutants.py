@@ -599,8 +599,10 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         MICRO_STEP,
-        "    accumulator=window.accumulator_home.keep(call.cleared(closed.accumulator)),\n",
-        "    accumulator=call.cleared(closed.accumulator),\n",
+        "    accumulator=window.accumulator_home.keep(\n"
+        "      call.cleared(closed.accumulator, closed.stepped)\n"
+        "    ),\n",
+        "    accumulator=call.cleared(closed.accumulator, closed.stepped),\n",
       ),
     ),
     tests=(
@@ -1693,7 +1695,10 @@ MUTANTS: tuple[Mutant, ...] = (
       Edit(
         MICRO_STEP,
         "      return self.schedule.emptied_after_close(\n"
-        "        self.decision.closes, self.window.placement.emptied, accumulator\n"
+        "        self.decision.closes,\n"
+        "        self.window.placement.emptied,\n"
+        "        accumulator,\n"
+        "        stepped,\n"
         "      )\n",
         "      return accumulator\n",
       ),
@@ -1720,6 +1725,44 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     tests=(
       "tests/test_cpu_program.py::test_the_fused_window_holds_one_gradient_layer_of_temporaries",
+    ),
+  ),
+  Mutant(
+    name="the_cpu_host_guard_steps_and_selects",
+    guarantee="the host's schedule costs what a transformation must (CPU copies)",
+    defect="on the CPU the host's closing program guards a window without"
+    " weight with selects, as on a GPU, not with a conditional: it reads"
+    " the optimizer's state beside the step, and accumulate_and_apply"
+    " copies each of its leaves",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "    return window_form.choose(\n"
+        "      jnp.asarray(predicate), carry, loops=selected, conditional=conditional\n"
+        "    )\n",
+        "    return selected(predicate, carry)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_overhead.py::test_on_the_cpu_only_the_fused_guards_selects_copy_adams_state",
+    ),
+  ),
+  Mutant(
+    name="the_cpu_host_zeros_before_the_close",
+    guarantee="the host's schedule costs what a transformation must (CPU"
+    " temporaries)",
+    defect="on the CPU the host's closing program makes the accumulator's"
+    " zeros before its step has read the sums: each takes a buffer of its"
+    " own, and each sum is copied",
+    edits=(
+      Edit(
+        SCHEDULE,
+        "  zero = jnp.asarray(after, jnp.float32) * 0\n",
+        "  zero = jnp.zeros((), jnp.float32)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_host_overhead.py::test_on_the_cpu_the_guarded_close_holds_fewer_temporaries_than_the_reference",
     ),
   ),
   Mutant(

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import ga_optax
 from ga_optax._src import audits
+from ga_optax._src.window import window_form
 from ga_optax.testing import AuditReport, PathReport, audit
 
 WIDTH = 256
@@ -99,11 +100,18 @@ def test_a_device_scheduled_step_runs_the_optimizer_on_the_closing_path(
 
 
 @pytest.mark.parametrize("target", ["h100", "cpu"])
-def test_a_host_scheduled_program_is_one_path_without_control_flow(target):
+def test_a_host_scheduled_program_is_one_path(target):
   for closing, name in ((False, "micro_step"), (True, "closing")):
     report = on(target, closing)
     assert report.schedule == "host"
-    assert (report.control_flow, report.window_branches) == (0, 0)
+    # No control flow, but the guard that keeps a window without weight
+    # from stepping, a conditional in the CPU's form of the closing step.
+    guards = int(
+      closing
+      and target == "cpu"
+      and window_form.form_for("cpu") == window_form.CONDITIONAL
+    )
+    assert (report.control_flow, report.window_branches) == (guards, guards)
     (path,) = report.paths
     assert path.path == name
     assert report.path(name) is path
@@ -117,9 +125,11 @@ def test_a_host_scheduled_program_is_one_path_without_control_flow(target):
   assert closing.bytes_moved - micro_step.bytes_moved >= adam_state
 
 
-def test_the_closing_program_read_as_a_micro_step_would_misreport():
+def test_the_closing_program_read_as_a_micro_step_would_misreport(monkeypatch):
   # The control for the test above: the private path audit, asked for the
-  # micro-step of the closing=True program, calls its optimizer misplaced.
+  # micro-step of the closing=True program, calls its optimizer misplaced
+  # (in the loops form: the CPU's guard would be a branch it skips).
+  monkeypatch.setenv(window_form.VARIABLE, window_form.LOOPS)
   program = jax.jit(functools.partial(step, closing=True)).lower(*args_of())
   found = audits.path_audit(program.compile(), "micro_step")
   assert found.misplaced_closing_work

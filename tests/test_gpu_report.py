@@ -37,6 +37,7 @@ from benchmarks import (
   window_time,
   workloads,
 )
+from ga_optax._src.window import window_form
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = [
@@ -69,6 +70,11 @@ COMPILED_STEPS = {
   compiled_steps.HOST_FIRST_STEP,
   compiled_steps.HOST_MICRO_STEP,
   compiled_steps.HOST_CLOSING_STEP,
+}
+# ga_optax's host-scheduled closing steps: on the CPU each guards its step.
+HOST_CLOSING = {
+  compiled_steps.ACCUMULATE_HOST_CLOSING,
+  compiled_steps.FUSED_HOST_CLOSING,
 }
 # The steps built on accumulate: each holds both sides of the window.
 WINDOWS = {
@@ -154,12 +160,13 @@ def check_the_h100_compiled_program_or_why_it_is_missing(section):
     assert "CUDA plugin" in section["reason"]
     return
   assert section["status"] == "ok", section.get("traceback")
-  check_compiled_program(section["results"])
+  check_compiled_program(section["results"], guard=0)
 
 
-def check_compiled_program(results):
+def check_compiled_program(results, guard):
   """The window's closing branches are there, in either form, and the
-  gradient is added outside them."""
+  gradient is added outside them; a host-scheduled closing step holds
+  ``guard`` of them (the CPU's guard of a window without weight)."""
   paths = results["paths"]
   assert set(paths) == COMPILED_STEPS
   for name, path in paths.items():
@@ -170,6 +177,12 @@ def check_compiled_program(results):
     if name in WINDOWS:
       assert sides["close_window"] >= 1, name
       assert sides["keep_open"] == 0, name
+    elif name in HOST_CLOSING:
+      assert sides == {
+        "keep_open": 0,
+        "close_window": guard,
+        "empty_window": 0,
+      }, name
     else:
       assert sides == {"keep_open": 0, "close_window": 0, "empty_window": 0}, (
         name
@@ -183,7 +196,8 @@ def check_compiled_program(results):
 def check_this_backends_compiled_program_beside_the_h100s(report):
   here = report["compiled_here"]
   assert here["status"] == "ok", here.get("traceback")
-  check_compiled_program(here["results"])
+  cpu_guard = window_form.form_for("cpu") == window_form.CONDITIONAL
+  check_compiled_program(here["results"], guard=int(cpu_guard))
   missing = {"ratios": [{}] * len(compiled_steps.TARGETS)}
   h100 = report["compiled_h100"].get("results", missing)
   ratios = zip(here["results"]["ratios"], h100["ratios"], strict=True)

@@ -13,12 +13,15 @@ biases, Adam, k = 4, is compiled once and held to the reference's:
   micro-steps and a closing step at most 2 more;
 * on an H100 and a v5e chip (libtpu, compile-only), no program copies more
   buffers of a parameter's size than the reference's;
-* on the CPU the same, except the one cost the guard of a window without
-  weight has in ``accumulate_and_apply`` (docs/how-to/host-schedule.md):
-  its closing program copies each of the optimizer state's
-  parameter-sized leaves once, which the reference, stepping whatever the
-  weight, does not. ``accumulate``'s writes its selects in order and,
-  from jax 0.12, copies none of them.
+* on the CPU the same, and no program copies the optimizer's state: the
+  guard of a window without weight is a conditional there. In the loops
+  form (GPUs and TPUs, pinned on the CPU by ``GA_OPTAX_WINDOW_FORM``) the
+  guard is selects, whose one cost on the CPU is in
+  ``accumulate_and_apply`` (docs/how-to/host-schedule.md): its closing
+  program copies each of the optimizer state's parameter-sized leaves
+  once, which the reference, stepping whatever the weight, does not.
+  ``accumulate``'s writes its selects in order and, from jax 0.12, copies
+  none of them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from gpu_compiler import or_skip
 
 from benchmarks import host_overhead
 from ga_optax._src import audits
+from ga_optax._src.window import window_form
 
 REFERENCE = host_overhead.REFERENCE
 WINDOWS = ("ga_optax.accumulate", "ga_optax.accumulate_and_apply")
@@ -44,6 +48,10 @@ INNER_STATE = "state_inner_state"
 # accumulate's selects written in order copy nothing on the CPU from jax
 # 0.12; jax 0.10's XLA copies the optimizer's state all the same.
 ORDERED_ON_THE_CPU = jax.__version_info__ >= (0, 12)
+# The CPU's guard: a conditional, unless the run pins the loops form.
+GUARDED_BY_A_CONDITIONAL = (
+  window_form.form_for("cpu") == window_form.CONDITIONAL
+)
 
 
 @functools.cache
@@ -132,7 +140,9 @@ def copied_parameter(program: Any, copy: audits.Copy) -> str:
 
 @pytest.mark.parametrize("closing", [False, True])
 @pytest.mark.parametrize("name", WINDOWS)
-def test_on_the_cpu_only_the_fused_guard_copies_adams_state_once(name, closing):
+def test_on_the_cpu_only_the_fused_guards_selects_copy_adams_state(
+  name, closing
+):
   program = compiled(name, closing, "cpu")
   found = copies(name, closing, "cpu")
   of_state = [
@@ -143,7 +153,11 @@ def test_on_the_cpu_only_the_fused_guard_copies_adams_state_once(name, closing):
   others = [copy for copy in found if copy not in of_state]
   reference = copies(REFERENCE, closing, "cpu")
   assert len(others) <= len(reference), (others, reference)
-  if not closing or (name == "ga_optax.accumulate" and ORDERED_ON_THE_CPU):
+  if (
+    not closing
+    or GUARDED_BY_A_CONDITIONAL
+    or (name == "ga_optax.accumulate" and ORDERED_ON_THE_CPU)
+  ):
     assert of_state == [], of_state
     return
   # Adam's two moments of each parameter: the selects that keep the state
@@ -155,3 +169,21 @@ def test_on_the_cpu_only_the_fused_guard_copies_adams_state_once(name, closing):
   assert len({copied_parameter(program, copy) for copy in of_state}) == len(
     of_state
   )
+
+
+@pytest.mark.skipif(
+  not GUARDED_BY_A_CONDITIONAL,
+  reason="the loops form is pinned: the CPU's guard is selects",
+)
+@pytest.mark.parametrize("name", WINDOWS)
+def test_on_the_cpu_the_guarded_close_holds_fewer_temporaries_than_the_reference(
+  name,
+):
+  # The conditional leaves the sums where they are and the zeros are
+  # written over them once the step has read them: made earlier, they
+  # would take buffers of their own (and a copy of each sum).
+  def temporaries(window: str) -> int:
+    program = compiled(window, True, "cpu")
+    return program.memory_analysis().temp_size_in_bytes
+
+  assert temporaries(name) < temporaries(REFERENCE)

@@ -252,8 +252,21 @@ def test_flush_with_closing_is_refused(flush, closing):
     )
 
 
-# Every configuration's two host-scheduled programs hold no control flow of
-# the window's: each is a straight line of work.
+# Every configuration's host-scheduled micro-step holds no control flow of
+# the window's: a straight line of work. Its closing step holds one branch,
+# the guard that keeps a window without weight from stepping: selects in
+# the loops form (GPUs, TPUs; and for a state kept in host memory), a
+# conditional in the CPU's form, where it makes the host wait for nothing.
+
+
+def assert_guarded_as_the_form_says(
+  jaxpr: Any, closing: bool, form: str, on_device: bool = True
+) -> None:
+  primitives = window_primitives(jaxpr)
+  if closing and form == window_form.CONDITIONAL and on_device:
+    assert primitives and set(primitives) == {"cond"}, primitives
+  else:
+    assert primitives == [], primitives
 
 
 ONE_DEVICE = {
@@ -290,10 +303,14 @@ def options_of(config: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
   return options.pop("optimizer"), options.pop("every_k", 4), options
 
 
+@pytest.mark.parametrize("form", window_form.FORMS)
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("closing", [False, True])
 @pytest.mark.parametrize("name", sorted(ONE_DEVICE))
-def test_a_host_scheduled_program_has_no_control_flow(name, closing, fused):
+def test_a_host_scheduled_program_has_no_control_flow_but_the_cpus_guard(
+  name, closing, fused, form, monkeypatch
+):
+  monkeypatch.setenv(window_form.VARIABLE, form)
   optimizer, every_k, options = options_of(ONE_DEVICE[name])
   params = init_params()
   batch = micro_batches([4])[0]
@@ -316,7 +333,12 @@ def test_a_host_scheduled_program_has_no_control_flow(name, closing, fused):
 
   state = tx.init(params)
   jaxpr = jax.make_jaxpr(step)(params, state, batch).jaxpr
-  assert window_primitives(jaxpr) == []
+  assert_guarded_as_the_form_says(
+    jaxpr,
+    closing,
+    form,
+    on_device=not any(key.endswith("_memory_kind") for key in options),
+  )
   # The control: the device's schedule holds the window's branches.
   if not closing:
 
@@ -334,13 +356,15 @@ DEVICES = 8
 
 
 @pytest.mark.devices(DEVICES)
+@pytest.mark.parametrize("form", window_form.FORMS)
 @pytest.mark.parametrize("closing", [False, True])
 @pytest.mark.parametrize(
   "placement", ["shard_map", "unreduced", "zero1", "unreduced_noise_scale"]
 )
-def test_every_placement_host_schedules_without_control_flow(
-  placement, closing
+def test_every_placement_host_schedules_without_control_flow_but_the_guard(
+  placement, closing, form, monkeypatch
 ):
+  monkeypatch.setenv(window_form.VARIABLE, form)
   mesh = jax.make_mesh((DEVICES,), ("data",))
   params = init_params()
   with jax.set_mesh(mesh):
@@ -378,11 +402,11 @@ def test_every_placement_host_schedules_without_control_flow(
 
       args = (params, tx.init(params), batch)
     jaxpr = jax.make_jaxpr(step)(*args).jaxpr
-  assert window_primitives(jaxpr) == []
+  assert_guarded_as_the_form_says(jaxpr, closing, form)
 
 
 @pytest.mark.parametrize("form", window_form.FORMS)
-def test_the_host_schedule_does_not_depend_on_the_window_form(
+def test_the_host_scheduled_micro_step_does_not_depend_on_the_window_form(
   form, monkeypatch
 ):
   """Neither form is traced: the same program whichever is pinned."""
@@ -392,7 +416,7 @@ def test_the_host_schedule_does_not_depend_on_the_window_form(
   grads = jax.grad(loss_fn)(params, micro_batches([3])[0])
 
   def step(grads, state):
-    return tx.update(grads, state, params, closing=True)
+    return tx.update(grads, state, params, closing=False)
 
   jaxpr = jax.make_jaxpr(step)(grads, tx.init(params))
   monkeypatch.delenv(window_form.VARIABLE)

@@ -99,7 +99,7 @@ def _piecewise_constant(schedule: Mapping[int, int]) -> EveryKSchedule:
 
   def every_k_of(update_step: jax.Array) -> jax.Array:
     # Compared with every start, a handful: no loop (searchsorted's default
-    # method is one), so a program that closes a window has no control flow.
+    # method is one), so a program that closes a window has no loop.
     piece = (
       jnp.searchsorted(
         starts_array, update_step, side="right", method="compare_all"

@@ -7,7 +7,7 @@ accumulator, and :class:`ClosingSide` closes the window (reduce over the
 devices, normalise, step the wrapped optimizer once, leave the accumulator
 at zero). Who decides whether the closing side runs is the schedule
 (:mod:`ga_optax._src.window.schedule`): the device, as a branch of one
-program, or the host, as one of two programs without control flow.
+program, or the host, as one of two programs, one per side.
 
 How buffers flow decides the cost (see docs/compiled-window.md). The
 gradient is added before any branch, as a plain add into a donated
@@ -103,7 +103,9 @@ def update(
     num_skipped=increment_if(state.num_skipped, ~admitted.accepted),
     emitted=schedule.emitted(closed.stepped, weight_sum),
     weight_sum=weight_sum,
-    accumulator=window.accumulator_home.keep(call.cleared(closed.accumulator)),
+    accumulator=window.accumulator_home.keep(
+      call.cleared(closed.accumulator, closed.stepped)
+    ),
     inner_state=closed.inner_state,
     parts=closed.parts,
   )
@@ -239,20 +241,26 @@ class Call:
       output, stepped, self.updates_like, self.carrier
     )
 
-  def cleared(self, accumulator: optax.Updates) -> optax.Updates:
+  def cleared(
+    self, accumulator: optax.Updates, stepped: jax.Array
+  ) -> optax.Updates:
     """The accumulator at zero once the window has closed.
 
     Where its buffer carried the updates out (only the device's schedule
     does), those are read first, then the buffer is zeroed in place, by a
     branch of its own that a micro-step skips (on the CPU, a select:
     :func:`ga_optax._src.window.run_once.emptied_if`). Otherwise the closing
-    side zeroes it, except on the device's schedule on the CPU, where a
-    select after the branch does
-    (:meth:`ga_optax._src.window.schedule.DeviceScheduled.emptied_after_close`).
+    side zeroes it, except on the CPU, where zeros written after the close
+    do, once ``stepped`` is known
+    (:meth:`ga_optax._src.window.schedule.HostScheduled.emptied_after_close`,
+    and on the device's schedule a select after the branch).
     """
     if self.carrier is not Carrier.ACCUMULATOR:
       return self.schedule.emptied_after_close(
-        self.decision.closes, self.window.placement.emptied, accumulator
+        self.decision.closes,
+        self.window.placement.emptied,
+        accumulator,
+        stepped,
       )
     return run_once.emptied_if(
       self.decision.closes,

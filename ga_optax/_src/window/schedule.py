@@ -10,11 +10,12 @@ A micro-step either keeps the window open or closes it. ``update``'s
   exported step needs.
 * :class:`HostScheduled` (``closing=True`` or ``False``): a training loop
   written in Python knows which micro-step it is about to run and says so.
-  The program then holds that side alone, with no ``while`` and no
-  ``conditional``: a micro-step is the gradient added into the accumulator
-  and nothing more, and the closing call is the same work a large-batch
-  step does, plus that add. Two programs, each without control flow, need
-  no compiler recipe on any platform.
+  The program then holds that side alone: a micro-step is the gradient
+  added into the accumulator and nothing more, and the closing call is the
+  same work a large-batch step does, plus that add. On GPUs and TPUs
+  neither program holds control flow, so they need no compiler recipe; on
+  the CPU the closing call guards its step with a conditional
+  (:meth:`HostScheduled.branch`), which makes nothing wait there.
 
 The host's word is what happens. ``closing=True`` closes the window with
 what it holds, normalised by what it holds (as ``flush=True`` does), and
@@ -31,6 +32,7 @@ either resumes in the other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ga_optax._src import scopes
+from ga_optax._src.placements import axes as axes_lib
 from ga_optax._src.placements import residency
-from ga_optax._src.window import run_once
+from ga_optax._src.window import run_once, window_form
 
 Carry = TypeVar("Carry")
 
@@ -108,9 +111,14 @@ class DeviceScheduled:
     return run_once.emptied_in_branch(emptied, accumulator)
 
   def emptied_after_close(
-    self, closes: jax.Array, emptied: Callable[[Any], Any], accumulator: Any
+    self,
+    closes: jax.Array,
+    emptied: Callable[[Any], Any],
+    accumulator: Any,
+    stepped: jax.Array,
   ) -> Any:
     """The accumulator the closing side left, at zero where it closed."""
+    del stepped  # the select reads ``closes``, known after the branch
     return run_once.emptied_after_branch(closes, emptied, accumulator)
 
 
@@ -149,35 +157,52 @@ class HostScheduled:
     name: str,
     in_order: bool = False,
   ) -> Carry:
-    """``body(carry)`` where ``predicate`` holds, selected: no control flow.
+    """``body(carry)`` where ``predicate`` holds.
 
-    With ``in_order``, on the CPU each field of the carry is written after
-    the fields that follow it (:func:`_select_in_order`).
+    The one branch the host's schedule keeps: a window closed without
+    weight must not step, and an optimizer's step is opaque. On the CPU
+    (the conditional form) it is a conditional, which makes nothing wait
+    there: the untaken side forwards its buffers, and the step writes the
+    optimizer's state in place. On GPUs and TPUs (the loops form), and for
+    a carry partly in host memory, ``body`` runs and selects keep its
+    result where ``predicate`` holds: no control flow. With ``in_order``,
+    on the CPU each field is then written after the fields that follow it
+    (:func:`_select_in_order`).
 
     The selects are elementwise and fuse into the work that makes their
     operands (Adam's moments, say), so they move no byte of their own. On
     the CPU, unordered, XLA copies each of the optimizer state's
     parameter-sized leaves once for them (the update of the params, which
     recomputes the step, reads the state the select overwrites); in order
-    it copies none from jax 0.12. ``accumulate_and_apply`` keeps the copies, the one cost
-    a window written without this guard does not have
-    (docs/how-to/host-schedule.md, tests/test_host_overhead.py): an
-    optimizer's step is opaque, so the guard cannot be avoided.
+    it copies none from jax 0.12.
     """
-    with jax.named_scope(name):
-      taken = body(carry)
-    if not (in_order and _in_order(carry)):
-      return _select(predicate, taken, carry)
-    return _select_changed(predicate, taken, carry)
+
+    def selected(predicate: jax.Array, carry: Carry) -> Carry:
+      with jax.named_scope(name):
+        taken = body(carry)
+      if not (in_order and _in_order(carry)):
+        return _select(predicate, taken, carry)
+      return _select_changed(predicate, taken, carry)
+
+    def conditional(predicate: jax.Array, carry: Carry) -> Carry:
+      with jax.named_scope(name):
+        return jax.lax.cond(predicate, body, lambda carried: carried, carry)
+
+    if not _on_device(carry):
+      return selected(predicate, carry)
+    return window_form.choose(
+      jnp.asarray(predicate), carry, loops=selected, conditional=conditional
+    )
 
   def stepped_on(self, has_weight: jax.Array, inputs: Any) -> Any:
     """The optimizer's inputs, differentiated only where the window has weight.
 
-    A window without weight is stepped too, then selected away
-    (:meth:`branch`), and the select gives the step a cotangent of 0. On a
-    zero gradient the step's own derivative may be infinite (Adam's square
-    root of a second moment at 0), and ``0 * inf`` is NaN, which would
-    reach the gradient, the weights and the optimizer's state. Each input
+    Where the guard is selects (:meth:`branch`), a window without weight is
+    stepped too, then selected away, and the select gives the step a
+    cotangent of 0. On a zero gradient the step's own derivative may be
+    infinite (Adam's square root of a second moment at 0), and ``0 * inf``
+    is NaN, which would reach the gradient, the weights and the optimizer's
+    state. Each input
     is ``where(has_weight, x, stop_gradient(x))``: the transpose of that
     select sends 0, not the NaN, where the window has no weight. Its two
     operands are one value, so the compiled program holds no select: the
@@ -221,14 +246,36 @@ class HostScheduled:
   def emptied_in_close(
     self, emptied: Callable[[Any], Any], accumulator: Any
   ) -> Any:
-    """Zeros: the closing program has no branch to leave it to."""
-    return emptied(accumulator)
+    """Zeros, or on the CPU the sums, zeroed after the close
+    (:func:`ga_optax._src.window.run_once.emptied_in_branch`)."""
+    return run_once.emptied_in_branch(emptied, accumulator)
 
   def emptied_after_close(
-    self, closes: jax.Array, emptied: Callable[[Any], Any], accumulator: Any
+    self,
+    closes: jax.Array,
+    emptied: Callable[[Any], Any],
+    accumulator: Any,
+    stepped: jax.Array,
   ) -> Any:
-    """The accumulator as the closing side left it (emptied)."""
-    del closes, emptied
+    """The accumulator the closing side left, at zero if the host closed.
+
+    In the conditional form the closing side hands the sums back and the
+    zeros are written here, once ``stepped`` is known: made from nothing
+    (``emptied``), they would be written before the step that reads the
+    sums, into buffers of their own (one parameter-sized temporary per
+    leaf, then a copy into the accumulator's buffer).
+    """
+    del closes  # the host's word: traced as a constant
+
+    def as_loops(carried: Any) -> Any:
+      return carried  # emptied by the closing side
+
+    if self.closing:
+      return window_form.choose(
+        accumulator,
+        loops=as_loops,
+        conditional=functools.partial(_zeros_after, emptied, stepped),
+      )
     return accumulator
 
   @property
@@ -252,12 +299,39 @@ def _select(predicate: jax.Array, taken: Carry, carry: Carry) -> Carry:
   )
 
 
+def _zeros_after(
+  emptied: Callable[[Any], Any], after: jax.Array, accumulator: Any
+) -> Any:
+  """``emptied(accumulator)``, computed once ``after`` is.
+
+  Each leaf of zeros adds ``0 * after``, which XLA does not fold (a float
+  times 0 may be NaN): the zeros are written once what makes ``after`` has
+  run, in place of the sums it read. Passed through an optimization
+  barrier instead, the 0 was folded by jax 0.10's XLA, which then copied
+  the sums away first. The partial sums of an unreduced window take no
+  plain addend and are left as ``emptied`` makes them.
+  """
+  zero = jnp.asarray(after, jnp.float32) * 0
+
+  def fenced(leaf: jax.Array) -> jax.Array:
+    if axes_lib.spec_of(leaf).unreduced:
+      return leaf  # a partial sum takes no plain addend
+    return leaf + zero.astype(leaf.dtype)
+
+  return jax.tree.map(fenced, emptied(accumulator))
+
+
+def _on_device(carry: Any) -> bool:
+  """Whether every leaf of ``carry`` lives in the device's memory."""
+  return all(
+    residency.kind_of(leaf) == "device" for leaf in jax.tree.leaves(carry)
+  )
+
+
 def _in_order(carry: Any) -> bool:
   """Whether :func:`_select_in_order` may write ``carry``: a record of
   fields whose leaves all live in the device's memory."""
-  return isinstance(carry, tuple) and all(
-    residency.kind_of(leaf) == "device" for leaf in jax.tree.leaves(carry)
-  )
+  return isinstance(carry, tuple) and _on_device(carry)
 
 
 def _select_changed(predicate: jax.Array, taken: Any, carry: Any) -> Any:

@@ -56,12 +56,12 @@ def accumulate(
   nothing, even a NaN gradient); ``flush=True`` closes the window now with
   what it holds; ``closing`` a bool (Python's or NumPy's; static under
   ``jax.jit``) says which side this call runs, as a training loop in
-  Python knows (a program without control flow), None leaves it to the
-  device's count; ``fp8_state`` is a Flax float8 model's new state
-  (:func:`ga_optax.apply_gradients` passes it); other keywords go to
-  ``optimizer.update`` when the window closes, but one that misspells these
-  four (``wieght=``) is a ``TypeError``. Every argument and keyword in
-  full: docs/accumulate.md.
+  Python knows (a program per side, no branch between them), None leaves
+  it to the device's count; ``fp8_state`` is a Flax float8 model's new
+  state (:func:`ga_optax.apply_gradients` passes it); other keywords go to
+  ``optimizer.update`` when the window closes, but one that misspells
+  these four (``wieght=``) is a ``TypeError``. Every argument and keyword
+  in full: docs/accumulate.md.
 
   Args:
     optimizer: the optax transformation to apply once per window.

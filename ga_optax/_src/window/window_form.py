@@ -20,7 +20,10 @@ compiled program:
   branch's accumulator was copied
   (:func:`ga_optax._src.window.run_once.emptied_in_branch`).
 
-The host's schedule (``closing=``) has no branch, and no form.
+The host's schedule (``closing=``) has no branch between the sides. Its
+closing program keeps one: the guard that keeps a window without weight
+from stepping, a conditional in the conditional form and selects in the
+loops form (:meth:`ga_optax._src.window.schedule.HostScheduled.branch`).
 
 By default the platform decides, when the step is lowered
 (``jax.lax.platform_dependent``): the CPU takes the conditional form, every

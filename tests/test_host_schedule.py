@@ -1,13 +1,14 @@
 """``closing=``: the host says which side of the window a call runs.
 
 A Python loop knows its micro-step. With ``closing`` a Python bool the
-program holds that side alone, with no ``while`` and no ``conditional``
-(checked on the lowered program of every configuration here; the programs
-XLA:GPU compiles for an H100 are checked in test_gpu_program.py), and the
-numbers stay those of the large batch: each window ends where ``jax.grad``
-of its concatenated micro-batches and the bare optimizer end, also where the
-host's word disagrees with the counter (it closes the window with what it
-holds, or keeps it open past its k). The combination matrix
+program holds that side alone, with no ``while`` and no ``conditional`` but
+the CPU's guard of a window closed without weight (checked on the traced
+program of every configuration here, in both forms of the window; the
+programs XLA:GPU compiles for an H100 are checked in test_gpu_program.py),
+and the numbers stay those of the large batch: each window ends where
+``jax.grad`` of its concatenated micro-batches and the bare optimizer end,
+also where the host's word disagrees with the counter (it closes the window
+with what it holds, or keeps it open past its k). The combination matrix
 (test_combinations.py) runs the host schedule through every placement.
 """
 

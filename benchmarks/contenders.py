@@ -31,6 +31,12 @@ HOST_SCHEDULED = "host-scheduled window"
 # carries (benchmarks/state_carrying.py): what ga_optax's host-scheduled
 # window is held to.
 STATE_CARRYING = "state-carrying reference (by hand)"
+# The same with as many leaves as ga_optax's state has beyond it: the cost
+# of a leaf on the host, alone.
+EXTRA_SCALARS = 4
+STATE_CARRYING_PADDED = (
+  f"state-carrying reference, {EXTRA_SCALARS} more scalars"
+)
 ACCUMULATE_HOST = "ga_optax.accumulate, host-scheduled"
 FUSED_HOST = "ga_optax.accumulate_and_apply, host-scheduled"
 
@@ -337,8 +343,9 @@ def window_contenders(
   """The forms of one window: plain Adam, ``optax.MultiSteps``, ga_optax's
   default form, the same under ``gpu_options`` (the GPU recipe, left out
   where None), both on the host's schedule (``closing=``), the same work by
-  hand carrying a transformation's state (``benchmarks/state_carrying.py``)
-  and keeping none between windows (``benchmarks/host_scheduled.py``), and
+  hand carrying a transformation's state (``benchmarks/state_carrying.py``;
+  again with as many more scalars as ga_optax's state holds beyond it) and
+  keeping none between windows (``benchmarks/host_scheduled.py``), and
   the one-``lax.cond`` window.
 
   Adam's learning rate is :data:`LEARNING_RATE` throughout; each window
@@ -413,6 +420,7 @@ def window_contenders(
   ]
   window = host_scheduled.host_scheduled_window(loss_fn, adam, k)
   reference = state_carrying.state_carrying_window(loss_fn, adam)
+  padded = state_carrying.with_scalars(reference, EXTRA_SCALARS)
   cond_init, cond_step = cond_window.cond_window(loss_fn, adam, k)
   return [
     *contenders,
@@ -421,6 +429,12 @@ def window_contenders(
       "the host's schedule by hand, carrying the sums, weight and count",
       reference.init,
       (_jit(reference.keep_open),) * (k - 1) + (_jit(reference.close),),
+    ),
+    WindowContender(
+      STATE_CARRYING_PADDED,
+      f"the same, its state {EXTRA_SCALARS} scalar leaves longer",
+      padded.init,
+      (_jit(padded.keep_open),) * (k - 1) + (_jit(padded.close),),
     ),
     WindowContender(
       HOST_SCHEDULED,

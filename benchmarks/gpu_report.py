@@ -40,10 +40,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ga_optax._src import audits
-
-# Runs as a script from any directory: the repository root holds the package
-# and the `benchmarks` helpers.
+# Runs as a script from any directory, ga_optax installed or not: the
+# repository root holds the package and the `benchmarks` helpers.
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
@@ -57,6 +55,7 @@ from benchmarks import environment as environment_lib  # noqa: E402
 from benchmarks import summation_orders as orders_lib  # noqa: E402
 from benchmarks import window_time as window_lib  # noqa: E402
 from benchmarks import workloads as workloads_lib  # noqa: E402
+from ga_optax._src import audits  # noqa: E402
 
 MIB = 2**20
 H100 = "XLA:GPU for a compile-only H100; nothing ran"

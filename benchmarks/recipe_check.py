@@ -6,8 +6,9 @@ XLA's default options and under command-buffer variants: the recipe
 default kinds plus ``WHILE`` alone, and plus ``CONDITIONAL`` alone. For each
 it prints the calls on which a window closed (``emitted``) and how far the
 params end from the defaults' run. On a CPU every variant is the defaults'
-program (XLA:CPU ignores the options); on the H200 of 2026-11-28 (jax
-0.11.2) the recipe closed windows on the wrong calls (docs/benchmarks.md).
+program (XLA:CPU ignores the options); on two H200s (jax 0.11.2, 2026-11-28
+and 2026-12-04) the recipe closed windows on the wrong calls
+(docs/benchmarks.md).
 
 Usage::
 

@@ -17,6 +17,10 @@ work the host's schedule (``update(..., closing=...)``) has to do:
 
 The host chooses which of the two jitted programs runs. Neither guards a
 window without weight (the divide is by its weight sum, whatever it is).
+
+:func:`with_scalars` adds scalars the reference carries and barely
+touches: the same window with more leaves in its state, which prices a
+leaf's share of each call's dispatch on the host.
 ``benchmarks/run.py`` times ``ga_optax``'s host-scheduled window as a ratio
 to this one, and ``tests/test_host_overhead.py`` holds ga_optax's compiled
 programs to its launches and copies.
@@ -138,3 +142,33 @@ def state_carrying_window(
     return optax.apply_updates(params, updates), cleared
 
   return StateCarryingWindow(init, keep_open, close)
+
+
+def with_scalars(
+  window: StateCarryingWindow, count: int
+) -> StateCarryingWindow:
+  """``window`` carrying ``count`` more int32 scalars beside its state.
+
+  The first counts the calls; the others are handed back as they came. The
+  device does next to nothing more, so what the window takes beyond
+  ``window``'s is what ``count`` more leaves cost each call on the host:
+  flattening them, donating one buffer each and allocating one for each.
+  """
+  if count < 1:
+    raise ValueError(f"count must be at least 1, got {count}")
+
+  def init(params: optax.Params) -> tuple[Any, ...]:
+    scalars = tuple(jnp.zeros((), jnp.int32) for _ in range(count))
+    return (window.init(params), *scalars)
+
+  def carrying(step: Step) -> Callable[..., tuple[optax.Params, Any]]:
+    def run(params, state, batch, weight=1.0):
+      inner, calls, *others = state
+      params, inner = step(params, inner, batch, weight)
+      return params, (inner, calls + 1, *others)
+
+    return run
+
+  return StateCarryingWindow(
+    init, carrying(window.keep_open), carrying(window.close)
+  )

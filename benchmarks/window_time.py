@@ -7,7 +7,8 @@ windows of ``contenders.window_contenders``: plain Adam (k steps),
 default form and under ``gpu_compiler_options()`` (the GPU recipe,
 where this ga_optax has it), both on the host's schedule (``closing=``),
 the same work written by hand (``benchmarks/state_carrying.py``, carrying a
-transformation's state, and ``benchmarks/host_scheduled.py``) and the
+transformation's state, once more with as many more scalars as ga_optax's
+state holds, and ``benchmarks/host_scheduled.py``) and the
 one-``lax.cond`` window
 (``benchmarks/cond_window.py``).
 
@@ -15,7 +16,9 @@ Each round runs, for every contender in an order that rotates from round to
 round (a slow spell then falls on all alike):
 
 * one window of k calls, each call waited for and timed: the per-call
-  medians, the window's last call (the closing one) apart from the others;
+  medians, the window's last call (the closing one) apart from the others,
+  and how long a micro-step's call took to return (the host's dispatch,
+  which bounds a small model's window);
 * a few windows queued back to back and waited for once, about 20 ms of
   them: the time of a window as a training loop sees it.
 
@@ -84,19 +87,23 @@ class Runner:
     params = fresh(workload.params)
     self.carry = (params, fresh(contender.init(params)))
     self.calls_ms: list[list[float]] = []
+    self.dispatch_us: list[list[float]] = []
     self.windows_ms: list[float] = []
     self.windows_per_round = 1
 
-  def window(self, timed: bool) -> list[float]:
-    """Runs one window; with ``timed``, waits for and times every call."""
-    times = []
+  def window(self, timed: bool) -> tuple[list[float], list[float]]:
+    """Runs one window; with ``timed``, waits for and times every call: the
+    milliseconds until each is done, and the microseconds until it returned
+    (its dispatch on the host)."""
+    done_ms, returned_us = [], []
     for call, batch in zip(self.contender.calls, self.batches, strict=True):
       start = time.perf_counter()
       self.carry = call(*self.carry, batch)
       if timed:
+        returned_us.append((time.perf_counter() - start) * 1e6)
         jax.block_until_ready(self.carry)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+        done_ms.append((time.perf_counter() - start) * 1e3)
+    return done_ms, returned_us
 
   def queued_windows(self, count: int) -> float:
     """Milliseconds per window of ``count`` windows waited for once."""
@@ -116,11 +123,13 @@ class Runner:
     return compile_s
 
   def round(self) -> None:
-    self.calls_ms.append(self.window(timed=True))
+    done_ms, returned_us = self.window(timed=True)
+    self.calls_ms.append(done_ms)
+    self.dispatch_us.append(returned_us)
     self.windows_ms.append(self.queued_windows(self.windows_per_round))
 
   def result(self) -> Record:
-    calls = np.asarray(self.calls_ms)
+    calls, dispatch = np.asarray(self.calls_ms), np.asarray(self.dispatch_us)
     return {
       "contender": self.contender.name,
       "micro_ms": float(
@@ -128,6 +137,9 @@ class Runner:
       ),
       "closing_ms": float(np.median(calls[:, -1])),
       "window_ms": statistics.median(self.windows_ms),
+      "micro_dispatch_us": float(
+        np.median(dispatch[:, :-1] if dispatch.shape[1] > 1 else dispatch)
+      ),
       "windows_per_round": self.windows_per_round,
       "finite": all(
         bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(self.carry)

@@ -783,7 +783,7 @@ TRAINING_LOOP_PAGES = [
   "docs/how-to/elastic.md",
   "docs/how-to/sharded-optimizer-state.md",
 ]
-GPU_RUN = "benchmarks.md#06-on-one-h200-2026-11-28"
+GPU_RUN = "benchmarks.md#064-on-one-h200-2026-12-04"
 
 
 @pytest.mark.parametrize("page", TRAINING_LOOP_PAGES)
@@ -795,6 +795,6 @@ def test_training_loops_show_the_hosts_schedule_for_gpus(page):
   assert "On a GPU" in text and GPU_RUN in text, page
   # The run the pages link to is where the link says.
   assert (
-    "## 0.6 on one H200 (2026-11-28)"
+    "## 0.6.4 on one H200 (2026-12-04)"
     in (ROOT / "docs/benchmarks.md").read_text()
   )

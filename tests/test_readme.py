@@ -19,8 +19,8 @@ BENCHMARKS = (ROOT / "docs/benchmarks.md").read_text()
 
 # The section of docs/benchmarks.md that the README's table comes from, and
 # the anchor the README links to (mkdocs' slug of that heading).
-GPU_SECTION = "## 0.6 on one H200 (2026-11-28)"
-GPU_ANCHOR = "docs/benchmarks.md#06-on-one-h200-2026-11-28"
+GPU_SECTION = "## 0.6.4 on one H200 (2026-12-04)"
+GPU_ANCHOR = "docs/benchmarks.md#064-on-one-h200-2026-12-04"
 OURS = "`accumulate`, `closing=` (host)"
 MULTISTEPS = "`optax.MultiSteps(adam)`"
 CALLS_PER_WINDOW = 4

@@ -21,6 +21,7 @@ window without weight (the divide is by its weight sum, whatever it is).
 :func:`with_scalars` adds scalars the reference carries and barely
 touches: the same window with more leaves in its state, which prices a
 leaf's share of each call's dispatch on the host.
+
 ``benchmarks/run.py`` times ``ga_optax``'s host-scheduled window as a ratio
 to this one, and ``tests/test_host_overhead.py`` holds ga_optax's compiled
 programs to its launches and copies.

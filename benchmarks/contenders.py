@@ -428,13 +428,17 @@ def window_contenders(
       STATE_CARRYING,
       "the host's schedule by hand, carrying the sums, weight and count",
       reference.init,
-      (_jit(reference.keep_open),) * (k - 1) + (_jit(reference.close),),
+      _host_chosen(
+        lambda closing: reference.close if closing else reference.keep_open, k
+      ),
     ),
     WindowContender(
       STATE_CARRYING_PADDED,
       f"the same, its state {EXTRA_SCALARS} scalar leaves longer",
       padded.init,
-      (_jit(padded.keep_open),) * (k - 1) + (_jit(padded.close),),
+      _host_chosen(
+        lambda closing: padded.close if closing else padded.keep_open, k
+      ),
     ),
     WindowContender(
       HOST_SCHEDULED,

@@ -152,8 +152,8 @@ def with_scalars(
 
   The first counts the calls; the others are handed back as they came. The
   device does next to nothing more, so what the window takes beyond
-  ``window``'s is what ``count`` more leaves cost each call on the host:
-  flattening them, donating one buffer each and allocating one for each.
+  ``window``'s is what ``count`` more leaves, each an argument and a result,
+  cost each call on the host.
   """
   if count < 1:
     raise ValueError(f"count must be at least 1, got {count}")

@@ -74,6 +74,14 @@ def fresh(tree: Any) -> Any:
   return jax.tree.map(jnp.copy, tree)
 
 
+def over_micro_steps(per_call: np.ndarray) -> float:
+  """The median of rounds x calls figures over the micro-steps: every call
+  but a window's last (the closing one), or the one call of a window of 1."""
+  return float(
+    np.median(per_call[:, :-1] if per_call.shape[1] > 1 else per_call)
+  )
+
+
 class Runner:
   """One contender's params and state, carried from window to window."""
 
@@ -132,14 +140,10 @@ class Runner:
     calls, dispatch = np.asarray(self.calls_ms), np.asarray(self.dispatch_us)
     return {
       "contender": self.contender.name,
-      "micro_ms": float(
-        np.median(calls[:, :-1] if calls.shape[1] > 1 else calls)
-      ),
+      "micro_ms": over_micro_steps(calls),
       "closing_ms": float(np.median(calls[:, -1])),
       "window_ms": statistics.median(self.windows_ms),
-      "micro_dispatch_us": float(
-        np.median(dispatch[:, :-1] if dispatch.shape[1] > 1 else dispatch)
-      ),
+      "micro_dispatch_us": over_micro_steps(dispatch),
       "windows_per_round": self.windows_per_round,
       "finite": all(
         bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(self.carry)

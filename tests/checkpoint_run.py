@@ -17,7 +17,7 @@ import pathlib
 import sys
 from typing import Any
 
-import cpu_compile_level
+import compile_level
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,5 +154,5 @@ def restore_and_finish(root: pathlib.Path) -> dict[str, list[int]]:
 
 
 if __name__ == "__main__":
-  cpu_compile_level.from_environment()
+  compile_level.from_environment()
   print(json.dumps(restore_and_finish(pathlib.Path(sys.argv[1]))))

@@ -58,16 +58,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-import cpu_compile_level  # noqa: E402
+import compile_level  # noqa: E402
 import jax  # noqa: E402  (the runtime reads PJRT_NPROC when JAX starts it)
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", DEVICES)
 
 # Every test compiles the CPU's programs without LLVM's expensive
-# optimizations, and so do the subprocesses that ask
-# (tests/cpu_compile_level.py).
-cpu_compile_level.set_unoptimized(True)
+# optimizations and the compile-only GPU's without XLA:GPU's autotuner, and
+# so do the subprocesses that ask (tests/compile_level.py).
+compile_level.set_unoptimized(True)
 
 # The equivalence checks compare two orders of the same float32 sums. On a
 # GPU, float32 matrix products default to TensorFloat-32 (10 bits kept), and

@@ -34,7 +34,7 @@ RUN_SCRIPT = pathlib.Path(checkpoint_run.__file__)
 
 def _subprocess_env() -> dict[str, str]:
   # The fresh process compiles the CPU's programs as this one does (it
-  # inherits the level, tests/cpu_compile_level.py): the resumed run must
+  # inherits the level, tests/compile_level.py): the resumed run must
   # match this one's bits.
   env = dict(os.environ)
   repository = str(pathlib.Path(ga_optax.__file__).parent.parent)

@@ -15,7 +15,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 
-import cpu_compile_level
+import compile_level
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -86,7 +86,7 @@ def the_form_the_cpu_chooses() -> Iterator[None]:
 def programs():
   """The plain Adam step, ``accumulate``'s and ``accumulate_and_apply``'s,
   each compiled once, in the form the CPU chooses, at the suite's level
-  (tests/cpu_compile_level.py)."""
+  (tests/compile_level.py)."""
   adam = optax.adam(1e-3)
   with the_form_the_cpu_chooses():
     return {
@@ -152,18 +152,18 @@ def test_a_micro_step_copies_no_layer(programs, name):
 
 
 def test_the_suite_compiles_the_window_as_xla_s_defaults_do(programs):
-  """The suite's CPU level (tests/cpu_compile_level.py) leaves XLA's passes
+  """The suite's CPU level (tests/compile_level.py) leaves XLA's passes
   alone: the optimized program and its memory are the default build's, so
   the figures above are a user's."""
   cpu = jax.extend.backend.get_backend("cpu")
   for unoptimized in (False, True):
-    with cpu_compile_level.unoptimized(unoptimized):
+    with compile_level.unoptimized(unoptimized):
       options = compiler.get_compile_options(1, 1, backend=cpu)
       level = options.executable_build_options.debug_options
       # The level the suite sets, or XLA's default.
       assert (level.xla_backend_optimization_level == 0) == unoptimized
   suite = programs["accumulate"]
-  with cpu_compile_level.unoptimized(False), the_form_the_cpu_chooses():
+  with compile_level.unoptimized(False), the_form_the_cpu_chooses():
     default = compiled(ga_optax.accumulate(optax.adam(1e-3), EVERY_K))
   # The instructions of every computation (their source locations aside).
   assert (

@@ -490,8 +490,8 @@ def _run_on_8_devices(
   runner = (
     "import json, sys\n"
     f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-    "import cpu_compile_level\n"
-    "cpu_compile_level.from_environment()\n"
+    "import compile_level\n"
+    "compile_level.from_environment()\n"
     "import test_docs_snippets as pages\n"
     f"outputs = pages.run_page({page!r})\n"
     f"open({str(record)!r}, 'w').write(json.dumps(outputs))\n"

@@ -324,11 +324,11 @@ def test_lm_token_weighting(lm_example, byte_lm, tmp_path, capsys):
 
 # examples/data_parallel.py needs 8 simulated CPU devices, fixed when jax is
 # imported: it runs in a fresh process that calls its main, and compiles at
-# the test's level (tests/cpu_compile_level.py).
+# the test's level (tests/compile_level.py).
 DATA_PARALLEL_DRIVER = """
 import json, runpy, sys
-import cpu_compile_level
-cpu_compile_level.from_environment()
+import compile_level
+compile_level.from_environment()
 example = runpy.run_path(sys.argv[1])
 print("DEFAULT_OUTPUT_DIR", example["parse_args"]([]).output_dir.resolve())
 print("RESULTS " + json.dumps(example["main"](sys.argv[2:])))

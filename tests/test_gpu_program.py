@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import compile_level
 import jax
 import jax.numpy as jnp
 import optax
@@ -745,3 +746,44 @@ def test_no_window_peaks_above_multi_steps(name):
       ):
         allowed += WIDTH * WIDTH * 4 / MiB
       assert 0 < peak <= allowed, (case.__name__, closing, peak, ceiling)
+
+
+def test_the_suite_compiles_the_h100_program_as_xla_s_defaults_do():
+  """The suite's GPU level (tests/compile_level.py) turns XLA:GPU's
+  autotuner off, which times nothing without a device: the program left,
+  under the recipe and under XLA's defaults, is the default build's
+  instruction for instruction (source locations aside), with the same
+  buffers and peak, so the figures above are a user's."""
+  cases = {
+    "recipe": (accumulate_case(optax.adam(1e-3)), OPTIONS["recipe"]),
+    "default": (
+      fused_case(optax.adam(1e-3), closing=True),
+      OPTIONS["default"],
+    ),
+  }
+
+  def programs():
+    return {
+      name: compiled_for_gpu(
+        step, *args, donate_argnums=(0, 1), compiler_options=options
+      )
+      for name, ((step, args), options) in cases.items()
+    }
+
+  suite = programs()
+  with compile_level.unoptimized(False):
+    default = programs()
+  for name in cases:
+    assert (
+      audits.parse_hlo(default[name].as_text()).computations
+      == audits.parse_hlo(suite[name].as_text()).computations
+    ), name
+    memory = [p.memory_analysis() for p in (default[name], suite[name])]
+    for field in (
+      "temp_size_in_bytes",
+      "argument_size_in_bytes",
+      "output_size_in_bytes",
+      "alias_size_in_bytes",
+      "peak_memory_in_bytes",
+    ):
+      assert getattr(memory[0], field) == getattr(memory[1], field), field

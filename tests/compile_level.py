@@ -16,10 +16,10 @@ few rows (the CPU's) or are only read (the compile-only H100s'). Every test
   tests moved to this one.
 - A program for a compile-only GPU without XLA:GPU's autotuner
   (``xla_gpu_autotune_level=0``). Without a device it times nothing, yet it
-  took much of each compilation's time; the program it leaves is the
-  default's, instruction for instruction and byte for
-  byte (tests/test_gpu_program.py compares them), so every claim read from
-  it is a default build's.
+  took much of each compilation's time; the program it leaves has the
+  default's instructions, buffers and peak memory
+  (tests/test_gpu_program.py compares them), so every claim read from it
+  holds for a default build.
 
 The TPU programs keep XLA's defaults. JAX's own flags would reach every
 platform, hence the hook on the compile options here. A change of level

@@ -47,8 +47,12 @@ _DEFAULT_COMPILE_OPTIONS = compiler.get_compile_options
 
 
 def _compile_options(*args: Any, **kwargs: Any) -> Any:
-  platform = getattr(kwargs.get("backend"), "platform", None)
-  if _LEVEL["unoptimized"] and platform == "gpu":
+  backend = kwargs.get("backend")
+  platform = getattr(backend, "platform", None)
+  # A real GPU (JAX_PLATFORMS=cuda,cpu) runs its programs: they keep the
+  # autotuner, which chooses how fast they run.
+  without_device = type(backend).__name__ == "CompileOnlyPyClient"
+  if _LEVEL["unoptimized"] and platform == "gpu" and without_device:
     # Not a field of jaxlib's DebugOptions: XLA parses it by name.
     kwargs["env_options_overrides"] = {
       **(kwargs.get("env_options_overrides") or {}),

@@ -5,7 +5,9 @@ H100 devices with a CUDA 13 driver (:func:`audits.host_waits`,
 which compiles as :func:`audits.compile_for_gpu` does and reads
 the thunks XLA:GPU built), under the recipe
 :func:`gpu_compiler_options`, params and state donated as a
-training loop donates them; nothing runs. The recipe decides how the
+training loop donates them; nothing runs. The suite compiles them without
+XLA:GPU's autotuner (tests/compile_level.py), which leaves the default
+build's program (the last test holds them equal). The recipe decides how the
 program is launched (which thunks a CUDA graph captures), not what it
 computes: under XLA's defaults the same instructions compile, which is
 checked on a step of each kind. On the compiled program

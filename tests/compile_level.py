@@ -39,6 +39,7 @@ from typing import Any
 import jax
 from jax._src import compiler
 
+from ga_optax._src import audits
 from ga_optax._src.audits import compile_only
 
 _LEVEL = {"unoptimized": False}
@@ -100,3 +101,26 @@ def unoptimized(value: bool) -> Iterator[None]:
 def from_environment() -> None:
   """In a test's subprocess: the level of the test that started it."""
   set_unoptimized(os.environ.get(VARIABLE) == "1")
+
+
+def assert_same_program(default: Any, suite: Any, name: str = "") -> None:
+  """Two compiled programs, one built at XLA's defaults and one at the
+  suite's level, hold the same instructions in every computation (their
+  source locations aside) and the same memory figures; ``name`` says which
+  step a failure is about."""
+  assert (
+    audits.parse_hlo(default.as_text()).computations
+    == audits.parse_hlo(suite.as_text()).computations
+  ), name
+  memory = [program.memory_analysis() for program in (default, suite)]
+  for field in (
+    "temp_size_in_bytes",
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "peak_memory_in_bytes",
+  ):
+    assert getattr(memory[0], field) == getattr(memory[1], field), (
+      name,
+      field,
+    )

@@ -776,16 +776,4 @@ def test_the_suite_compiles_the_h100_program_as_xla_s_defaults_do():
   with compile_level.unoptimized(False):
     default = programs()
   for name in cases:
-    assert (
-      audits.parse_hlo(default[name].as_text()).computations
-      == audits.parse_hlo(suite[name].as_text()).computations
-    ), name
-    memory = [p.memory_analysis() for p in (default[name], suite[name])]
-    for field in (
-      "temp_size_in_bytes",
-      "argument_size_in_bytes",
-      "output_size_in_bytes",
-      "alias_size_in_bytes",
-      "peak_memory_in_bytes",
-    ):
-      assert getattr(memory[0], field) == getattr(memory[1], field), field
+    compile_level.assert_same_program(default[name], suite[name], name)

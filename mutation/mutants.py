@@ -1726,7 +1726,30 @@ MUTANTS: tuple[Mutant, ...] = (
       ),
     ),
     tests=(
-      "tests/test_cpu_program.py::test_the_fused_window_holds_one_gradient_layer_of_temporaries",
+      "tests/test_cpu_program.py::test_the_window_holds_one_gradient_layer_of_temporaries[accumulate_and_apply]",
+    ),
+  ),
+  Mutant(
+    name="the_cpu_conditional_lists_leaves_first_leaf_first",
+    guarantee="cost (accumulate on the CPU: temporaries)",
+    defect="on the CPU the window's conditional lists its operands first"
+    " leaf first: XLA:CPU gives the accumulator's buffer of the gradient"
+    " backpropagation makes first to the gradients made after it, and"
+    " holds that sum apart",
+    edits=(
+      Edit(
+        RUN_ONCE,
+        "    return jax.tree.leaves(tree)[::-1]\n",
+        "    return jax.tree.leaves(tree)\n",
+      ),
+      Edit(
+        RUN_ONCE,
+        "    return jax.tree.unflatten(structure, leaves[::-1])\n",
+        "    return jax.tree.unflatten(structure, leaves)\n",
+      ),
+    ),
+    tests=(
+      "tests/test_cpu_program.py::test_the_window_holds_one_gradient_layer_of_temporaries[accumulate]",
     ),
   ),
   Mutant(

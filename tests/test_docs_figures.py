@@ -217,8 +217,7 @@ READ = {
   "docs/how-to/tpu.md": {
     "140 MB": INSTALL,
     "16 GiB": "a v5e chip's HBM, the compile target's description",
-    "32 MiB": "the block's print (# 32 40), run by test_docs_snippets.py",
-    "40 MiB": "the block's print (# 32 40), run by test_docs_snippets.py",
+    "32 MiB": "the block's print (# 32 True), run by test_docs_snippets.py",
     "90%": "the budget the benchmark is given, an input",
   },
   "docs/how-to/batch-size.md": {

@@ -316,12 +316,30 @@ def _as_conditional(
   carry: Carry,
   invariants: Sequence[Any],
 ) -> Carry:
-  return jax.lax.cond(
-    predicate,
-    lambda carried, read: body(carried, *read),
-    lambda carried, read: carried,
-    carry,
-    tuple(invariants),
+  # XLA:CPU's buffer assignment takes buffers of one size in the order a
+  # post-order walk of the program meets them, and the walk meets the
+  # window's sums in the order the conditional lists its operands.
+  # Backpropagation makes the last layer's gradient first: listed first
+  # leaf first, the gradients made after it took its accumulator's buffer,
+  # free once read, and its sum sat in temporaries of its own (as many as a
+  # plain Adam step's, tests/test_cpu_program.py). Listed last leaf first, as
+  # a model's leaves are made backwards, each sum keeps its own buffer.
+  structure = jax.tree.structure(carry)
+
+  def listed(tree: Carry) -> list[Any]:
+    return jax.tree.leaves(tree)[::-1]
+
+  def restored(leaves: list[Any]) -> Carry:
+    return jax.tree.unflatten(structure, leaves[::-1])
+
+  return restored(
+    jax.lax.cond(
+      predicate,
+      lambda carried, read: listed(body(restored(carried), *read)),
+      lambda carried, read: carried,
+      listed(carry),
+      tuple(invariants),
+    )
   )
 
 

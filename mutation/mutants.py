@@ -1736,20 +1736,26 @@ MUTANTS: tuple[Mutant, ...] = (
     " leaf first: XLA:CPU gives the accumulator's buffer of the gradient"
     " backpropagation makes first to the gradients made after it, and"
     " holds that sum apart",
+    edits=(Edit(RUN_ONCE, "    reverse=True,\n", "    reverse=False,\n"),),
+    tests=(
+      "tests/test_cpu_program.py::test_the_window_holds_one_gradient_layer_of_temporaries[accumulate]",
+    ),
+  ),
+  Mutant(
+    name="the_cpu_conditional_sorts_numbered_names_as_text",
+    guarantee="cost (accumulate on the CPU: temporaries)",
+    defect="on the CPU the window's conditional lists its operands by"
+    " their names as text sorts them (layer_10 before layer_2): past nine"
+    " layers the sums of the layers out of order lose their buffers",
     edits=(
       Edit(
         RUN_ONCE,
-        "    return jax.tree.leaves(tree)[::-1]\n",
-        "    return jax.tree.leaves(tree)\n",
-      ),
-      Edit(
-        RUN_ONCE,
-        "    return jax.tree.unflatten(structure, leaves[::-1])\n",
-        "    return jax.tree.unflatten(structure, leaves)\n",
+        "    key=lambda index: _numbers_as_numbers(jax.tree_util.keystr(paths[index])),\n",
+        "    key=lambda index: jax.tree_util.keystr(paths[index]),\n",
       ),
     ),
     tests=(
-      "tests/test_cpu_program.py::test_the_window_holds_one_gradient_layer_of_temporaries[accumulate]",
+      "tests/test_cpu_program.py::test_twelve_numbered_layers_hold_no_more_than_the_fused_window",
     ),
   ),
   Mutant(

@@ -39,6 +39,7 @@ name and know which side a micro-step takes.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -316,21 +317,18 @@ def _as_conditional(
   carry: Carry,
   invariants: Sequence[Any],
 ) -> Carry:
-  # XLA:CPU's buffer assignment takes buffers of one size in the order a
-  # post-order walk of the program meets them, and the walk meets the
-  # window's sums in the order the conditional lists its operands.
-  # Backpropagation makes the last layer's gradient first: listed first
-  # leaf first, the gradients made after it took its accumulator's buffer,
-  # free once read, and its sum sat in temporaries of its own (as many as a
-  # plain Adam step's, tests/test_cpu_program.py). Listed last leaf first, as
-  # a model's leaves are made backwards, each sum keeps its own buffer.
+  order = _backward_order(carry)
   structure = jax.tree.structure(carry)
 
   def listed(tree: Carry) -> list[Any]:
-    return jax.tree.leaves(tree)[::-1]
+    leaves = jax.tree.leaves(tree)
+    return [leaves[index] for index in order]
 
-  def restored(leaves: list[Any]) -> Carry:
-    return jax.tree.unflatten(structure, leaves[::-1])
+  def restored(listed_leaves: list[Any]) -> Carry:
+    leaves: list[Any] = [None] * len(order)
+    for index, leaf in zip(order, listed_leaves, strict=True):
+      leaves[index] = leaf
+    return jax.tree.unflatten(structure, leaves)
 
   return restored(
     jax.lax.cond(
@@ -341,6 +339,37 @@ def _as_conditional(
       tuple(invariants),
     )
   )
+
+
+def _backward_order(tree: Any) -> list[int]:
+  """The positions of ``tree``'s leaves, the last layer's first.
+
+  The order in which the window's conditional lists its operands, for
+  XLA:CPU's buffer assignment: it takes buffers of one size in the order a
+  post-order walk of the program meets them, and the walk meets the
+  window's sums in the order the conditional lists them. Backpropagation
+  makes the last layer's gradient first. Listed first leaf first, the
+  gradients made after it took its accumulator's buffer, free once read,
+  and its sum sat in temporaries of its own: as many as a plain Adam
+  step's (tests/test_cpu_program.py). A model's layers are listed, or
+  named and numbered, in the order they run: their leaves by their paths,
+  the numbers in them read as numbers (``Dense_2`` before ``Dense_10``),
+  backwards.
+  """
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return sorted(
+    range(len(paths)),
+    key=lambda index: _numbers_as_numbers(jax.tree_util.keystr(paths[index])),
+    reverse=True,
+  )
+
+
+def _numbers_as_numbers(name: str) -> list[str | int]:
+  """``name`` as a key under which ``"w2"`` comes before ``"w10"``: its text
+  and its runs of digits in turn (``re.split`` keeps the runs at the odd
+  positions), the runs as numbers."""
+  parts = re.split(r"(\d+)", name)
+  return [int(part) if index % 2 else part for index, part in enumerate(parts)]
 
 
 def pin_types(tree: Any) -> Any:

@@ -1750,12 +1750,43 @@ MUTANTS: tuple[Mutant, ...] = (
     edits=(
       Edit(
         RUN_ONCE,
-        "    key=lambda index: _numbers_as_numbers(jax.tree_util.keystr(paths[index])),\n",
-        "    key=lambda index: jax.tree_util.keystr(paths[index]),\n",
+        "      _numbers_as_numbers(jax.tree_util.keystr(flat[index][0])),\n",
+        "      jax.tree_util.keystr(flat[index][0]),\n",
       ),
     ),
     tests=(
       "tests/test_cpu_program.py::test_twelve_numbered_layers_hold_no_more_than_the_fused_window",
+    ),
+  ),
+  Mutant(
+    name="the_cpu_conditional_lists_scalars_among_the_layers",
+    guarantee="cost (the noise scale on the CPU: temporaries)",
+    defect="on the CPU the window's conditional lists its scalars by their"
+    " paths among the layers' buffers: the noise scale's sum of squares,"
+    " made from every layer's gradient, comes first, and the sum of the"
+    " gradient made first loses its accumulator's buffer",
+    edits=(
+      Edit(RUN_ONCE, "      jnp.ndim(flat[index][1]) > 0,\n", "      True,\n"),
+    ),
+    tests=(
+      "tests/test_cpu_program.py::test_the_window_holds_one_gradient_layer_of_temporaries[noise_scale]",
+    ),
+  ),
+  Mutant(
+    name="the_parts_read_the_sums_after_the_step",
+    guarantee="cost (the noise scale on the CPU: copies)",
+    defect="on the CPU nothing orders the parts' read of the window's mean"
+    " before the optimizer's step writes the updates over the sums: the"
+    " closing branch copies every layer's sum",
+    edits=(
+      Edit(
+        RUN_ONCE,
+        "    return jax.lax.optimization_barrier((summed, read))\n",
+        "    return summed, read\n",
+      ),
+    ),
+    tests=(
+      "tests/test_cpu_program.py::test_a_micro_step_copies_no_layer[noise_scale]",
     ),
   ),
   Mutant(

@@ -90,8 +90,8 @@ def the_form_the_cpu_chooses() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def programs():
-  """The plain Adam step, ``accumulate``'s and ``accumulate_and_apply``'s,
-  each compiled once, in the form the CPU chooses, at the suite's level
+  """The plain Adam step, ``accumulate``'s (with and without the noise
+  scale) and ``accumulate_and_apply``'s, each compiled once, in the form the CPU chooses, at the suite's level
   (tests/compile_level.py)."""
   adam = optax.adam(1e-3)
   with the_form_the_cpu_chooses():
@@ -101,6 +101,9 @@ def programs():
       "accumulate_and_apply": compiled(
         ga_optax.accumulate_and_apply(adam, EVERY_K)
       ),
+      "noise_scale": compiled(
+        ga_optax.accumulate(adam, EVERY_K, noise_scale_decay=0.9)
+      ),
     }
 
 
@@ -108,17 +111,24 @@ def temporaries(program) -> int:
   return program.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("name", ["accumulate", "accumulate_and_apply"])
+WINDOWS = ["accumulate", "accumulate_and_apply", "noise_scale"]
+
+
+@pytest.mark.parametrize("name", WINDOWS)
 def test_the_window_holds_one_gradient_layer_of_temporaries(programs, name):
   """One layer's gradient and small buffers, within the contract's 0.6 of a
   plain Adam step's: each sum is written over its accumulator.
 
-  Two windows held more. ``accumulate``'s held the sum of the gradient
+  Three windows held more. ``accumulate``'s held the sum of the gradient
   backpropagation makes first apart, as many temporaries as a plain Adam
   step, while its conditional listed the leaves first leaf first
-  (ga_optax/_src/window/run_once.py, ``_as_conditional``);
+  (ga_optax/_src/window/run_once.py, ``_as_conditional``), and again with
+  the noise scale while the conditional listed its scalars first;
   ``accumulate_and_apply``'s held every layer's sum apart while its
   closing branch zeroed the accumulator itself (``emptied_in_branch``).
+  Temporaries past the C library's threshold for mapped allocations are
+  mapped afresh on every call, each page faulted in again: the noise
+  scale's micro-step took twice its time so (benchmarks/run.py).
   """
   leaf_bytes = WIDTH * WIDTH * 4
   window, plain = (
@@ -148,12 +158,14 @@ def test_twelve_numbered_layers_hold_no_more_than_the_fused_window():
   assert window <= fused, (window, fused)
 
 
-@pytest.mark.parametrize("name", ["accumulate", "accumulate_and_apply"])
+@pytest.mark.parametrize("name", WINDOWS)
 def test_a_micro_step_copies_no_layer(programs, name):
   """Nothing the size of a layer is copied on either path (the window at
   the floor copied the whole accumulator on every micro-step, in the
-  conditional that zeroed it; the fused window copied it on every close),
-  and the closing side's work stays in it."""
+  conditional that zeroed it; the fused window copied it on every close,
+  and the noise scale's while it read the window's mean after the
+  optimizer's step: ``run_once.read_before_step``), and the closing side's
+  work stays in it."""
   leaf_bytes = WIDTH * WIDTH * 4
   program = programs[name]
   for path in ("micro_step", "closing"):

@@ -408,14 +408,22 @@ class Measured:
     terms = NoiseTermsPart().add(noise.terms, micro_batch)
     return noise._replace(terms=terms)
 
+  def read(self, noise: WindowNoise, mean_grads: Any) -> jax.Array:
+    """``|G|^2``, the window's mean gradient's squared norm."""
+    del noise
+    return square_norm(mean_grads)
+
   def close(
     self, noise: WindowNoise, closing: parts.WindowClosing
   ) -> tuple[WindowNoise, NoiseReport]:
-    """The averages with the closing window's estimates folded in."""
+    """The averages with the closing window's estimates folded in.
+
+    ``closing.read`` is ``|G|^2``, from :meth:`read`.
+    """
     # Combined here, once: K is reported beside the estimates.
     terms = closing.held.combine(noise.terms, "sum")
-    estimate = NoiseTermsPart().close(
-      terms, parts.Closing(closing.mean_grads, terms.weight)
+    estimate = window_estimate(
+      terms.square_sum, terms.micro_gradients, terms.weight, closing.read
     )
     # Both estimates are linear in the squares: divided by the units'
     # square, they are in the gradients' own units.

@@ -213,12 +213,15 @@ class WindowClosing(NamedTuple):
       device's sums the window's.
     inner_states: the wrapped optimizer's state before and after its step
       on this window (a loss scale there says the gradients' units).
+    read: what this part read of ``mean_grads`` before the wrapped
+      optimizer stepped (:meth:`WindowPart.read`).
   """
 
   mean_grads: Any
   weight: jax.Array
   held: Held
   inner_states: tuple[Any, Any]
+  read: Any = None
 
 
 class WindowPart(Protocol):
@@ -245,6 +248,17 @@ class WindowPart(Protocol):
     For a model with float8 state, ``micro_batch.grads`` holds the
     gradients as Flax variables, the state's new values among them
     (``update(..., fp8_state=...)``).
+    """
+    ...
+
+  def read(self, value: Any, mean_grads: Any) -> Any:
+    """What the close needs of the window's mean gradient, read early.
+
+    Read before the wrapped optimizer steps, and handed to :meth:`close`
+    as ``closing.read``: the window may write the optimizer's output over
+    the buffer the mean is read from, and XLA:CPU copied that buffer
+    whole on every close where a part read it after the step. None where
+    the close reads nothing of it, or reads ``closing.mean_grads`` itself.
     """
     ...
 
@@ -312,6 +326,10 @@ class Windowing:
 
   def add(self, value: Windowed, micro_batch: MicroBatch) -> Windowed:
     return value._replace(open=self.part.add(value.open, micro_batch))
+
+  def read(self, value: Windowed, mean_grads: Any) -> None:
+    # A batch's part reads the mean in its own close.
+    del value, mean_grads
 
   def close(
     self, value: Windowed, closing: WindowClosing

@@ -380,10 +380,13 @@ class ClosingSide:
     window, decision = call.window, call.decision
     params = carry.output if call.carrier is Carrier.PARAMS else call.params
     # Reduced here, from the carry: the one reduction of the window runs
-    # only where it steps, and reads the buffer it then overwrites.
-    reduced = self.mean(
-      window.placement.reduce(carry.accumulator, params), total_weight
+    # only where it steps, and reads the buffer it then overwrites; the
+    # parts read the window's mean before the step does.
+    summed = window.placement.reduce(carry.accumulator, params)
+    summed, reads = run_once.read_before_step(
+      summed, _read(window.parts, carry.parts, self.mean(summed, total_weight))
     )
+    reduced = self.mean(summed, total_weight)
     # A state kept in host memory visits the device here, and only here.
     inner_state = residency.to_device(carry.inner_state)
     # Differentiated only where the window has weight (the host's
@@ -402,10 +405,7 @@ class ClosingSide:
     closing = parts.WindowClosing(
       reduced, total_weight, window.placement, (inner_state, new_inner_state)
     )
-    values, reports = _unzip(
-      part.close(value, closing)
-      for part, value in zip(window.parts, carry.parts, strict=True)
-    )
+    values, reports = _close(window.parts, carry.parts, reads, closing)
     # Gradients wider than the params (float32 for bfloat16, say) would
     # widen the optimizer's state; it keeps its dtypes from call to call.
     new_inner_state = window.inner_state_home.keep(
@@ -439,6 +439,31 @@ def _selects_in_order(carrier: Carrier) -> bool:
   (benchmarks/run.py).
   """
   return carrier is not Carrier.PARAMS
+
+
+def _read(
+  window_parts: tuple[parts.WindowPart, ...],
+  values: tuple[Any, ...],
+  mean_grads: Any,
+) -> tuple[Any, ...]:
+  """What each part reads of the window's mean before the optimizer steps."""
+  return tuple(
+    part.read(value, mean_grads)
+    for part, value in zip(window_parts, values, strict=True)
+  )
+
+
+def _close(
+  window_parts: tuple[parts.WindowPart, ...],
+  values: tuple[Any, ...],
+  reads: tuple[Any, ...],
+  closing: parts.WindowClosing,
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """Each part's closed value and report, from what it read before."""
+  return _unzip(
+    part.close(value, closing._replace(read=read))
+    for part, value, read in zip(window_parts, values, reads, strict=True)
+  )
 
 
 def _unzip(pairs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -177,6 +177,42 @@ def emptied_after_branch(
   )
 
 
+def read_before_step(sums: Carry, reads: Any) -> tuple[Carry, Any]:
+  """``(sums, reads)``, the reads ordered before anything that uses ``sums``.
+
+  For the closing side, where the parts read the window's sums before the
+  wrapped optimizer steps on them (:meth:`WindowPart.read`), and the
+  optimizer's output may then be written over the sums' buffer. In the
+  conditional form an optimization barrier joins them: XLA:CPU could not
+  order a read it saw beside the optimizer's step before the step's write,
+  and copied every layer's sum in the closing branch, which held a
+  temporary buffer of four layers that every call then mapped afresh. The
+  XLA of jax 0.10.2 expands the barrier before it inserts copies, and
+  there the copies can remain (docs/benchmarks.md, 2026-12-05). The loops
+  take no barrier: their programs for GPUs and TPUs copied nothing there.
+
+  Args:
+    sums: the window's sums, as the optimizer will read them.
+    reads: what the parts read of them; nothing to order where it has no
+      leaves.
+
+  Returns:
+    ``(sums, reads)``, unchanged in value.
+  """
+  if not jax.tree.leaves(reads):
+    return sums, reads
+
+  def as_loops(summed: Carry, read: Any) -> tuple[Carry, Any]:
+    return summed, read
+
+  def as_conditional(summed: Carry, read: Any) -> tuple[Carry, Any]:
+    return jax.lax.optimization_barrier((summed, read))
+
+  return window_form.choose(
+    sums, reads, loops=as_loops, conditional=as_conditional
+  )
+
+
 def _zeros_where(
   emptied: Callable[[Carry], Carry], taken: jax.Array, carried: Carry
 ) -> Carry:
@@ -342,7 +378,7 @@ def _as_conditional(
 
 
 def _backward_order(tree: Any) -> list[int]:
-  """The positions of ``tree``'s leaves, the last layer's first.
+  """The positions of ``tree``'s leaves, the last layer's first, scalars last.
 
   The order in which the window's conditional lists its operands, for
   XLA:CPU's buffer assignment: it takes buffers of one size in the order a
@@ -354,12 +390,18 @@ def _backward_order(tree: Any) -> list[int]:
   step's (tests/test_cpu_program.py). A model's layers are listed, or
   named and numbered, in the order they run: their leaves by their paths,
   the numbers in them read as numbers (``Dense_2`` before ``Dense_10``),
-  backwards.
+  backwards. The scalars come after every array: one made from every
+  layer's gradient (the noise scale's sum of squares), listed first, led
+  the walk to every gradient before the first sum, and that sum again sat
+  in a temporary.
   """
-  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return sorted(
-    range(len(paths)),
-    key=lambda index: _numbers_as_numbers(jax.tree_util.keystr(paths[index])),
+    range(len(flat)),
+    key=lambda index: (
+      jnp.ndim(flat[index][1]) > 0,
+      _numbers_as_numbers(jax.tree_util.keystr(flat[index][0])),
+    ),
     reverse=True,
   )
 

@@ -36,7 +36,7 @@ from ga_optax._src.window.transform import (
   accumulate_and_apply,
 )
 
-__version__ = "0.6.5"
+__version__ = "0.6.6"
 
 __all__ = [
   "AccumulateState",

@@ -1780,9 +1780,7 @@ MUTANTS: tuple[Mutant, ...] = (
     " closing branch copies every layer's sum",
     edits=(
       Edit(
-        RUN_ONCE,
-        "    return jax.lax.optimization_barrier((summed, read))\n",
-        "    return summed, read\n",
+        RUN_ONCE, "    return after_read, read\n", "    return summed, read\n"
       ),
     ),
     tests=(

@@ -323,8 +323,9 @@ ON_CHIP_MOVES = pytest.mark.xfail(
 def test_the_fused_window_s_micro_step_moves_the_floor_s_bytes(model, width):
   """``accumulate_and_apply`` device-scheduled: a micro-step at the floor.
 
-  Within 1% of the host's micro-step, which the chip places a few small
-  buffers apart from; both models, from 4 x 2048².
+  Within 1% of the host's micro-step, not equal to it: the chip moves a
+  few more small buffers in and out of its on-chip memory for the
+  window's program. Both models, from 4 x 2048².
   """
   assert micro_step_x_floor("accumulate_and_apply", model, width) <= 1.01
 

@@ -182,14 +182,16 @@ def read_before_step(sums: Carry, reads: Any) -> tuple[Carry, Any]:
 
   For the closing side, where the parts read the window's sums before the
   wrapped optimizer steps on them (:meth:`WindowPart.read`), and the
-  optimizer's output may then be written over the sums' buffer. In the
-  conditional form an optimization barrier joins them: XLA:CPU could not
-  order a read it saw beside the optimizer's step before the step's write,
-  and copied every layer's sum in the closing branch, which held a
-  temporary buffer of four layers that every call then mapped afresh. The
-  XLA of jax 0.10.2 expands the barrier before it inserts copies, and
-  there the copies can remain (docs/benchmarks.md, 2026-12-05). The loops
-  take no barrier: their programs for GPUs and TPUs copied nothing there.
+  optimizer's output may then be written over the sums' buffer. XLA:CPU
+  could not order a read it saw beside the optimizer's step before the
+  step's write: it copied every layer's sum in the closing branch, which
+  held a temporary buffer of four layers that every call then mapped
+  afresh. In the conditional form the sums reach the optimizer through a
+  select on a predicate made from the reads, one that always holds but
+  that XLA cannot prove, so the optimizer's reads wait for the parts'. An
+  optimization barrier did the same under jax 0.12 but not under jax
+  0.10.2, whose XLA expands barriers before it inserts copies. The loops
+  take neither: their programs for GPUs and TPUs copied nothing there.
 
   Args:
     sums: the window's sums, as the optimizer will read them.
@@ -206,7 +208,16 @@ def read_before_step(sums: Carry, reads: Any) -> tuple[Carry, Any]:
     return summed, read
 
   def as_conditional(summed: Carry, read: Any) -> tuple[Carry, Any]:
-    return jax.lax.optimization_barrier((summed, read))
+    # True for every value, NaN included.
+    read_done = functools.reduce(
+      jnp.logical_and,
+      [(leaf == leaf) | (leaf != leaf) for leaf in jax.tree.leaves(read)],
+    )
+    after_read = jax.tree.map(
+      lambda total: jnp.where(read_done, total, jnp.zeros((), total.dtype)),
+      summed,
+    )
+    return after_read, read
 
   return window_form.choose(
     sums, reads, loops=as_loops, conditional=as_conditional

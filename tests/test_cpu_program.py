@@ -91,8 +91,8 @@ def the_form_the_cpu_chooses() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def programs():
   """The plain Adam step, ``accumulate``'s (with and without the noise
-  scale) and ``accumulate_and_apply``'s, each compiled once, in the form the CPU chooses, at the suite's level
-  (tests/compile_level.py)."""
+  scale) and ``accumulate_and_apply``'s, each compiled once, in the form
+  the CPU chooses, at the suite's level (tests/compile_level.py)."""
   adam = optax.adam(1e-3)
   with the_form_the_cpu_chooses():
     return {
@@ -127,8 +127,8 @@ def test_the_window_holds_one_gradient_layer_of_temporaries(programs, name):
   ``accumulate_and_apply``'s held every layer's sum apart while its
   closing branch zeroed the accumulator itself (``emptied_in_branch``).
   Temporaries past the C library's threshold for mapped allocations are
-  mapped afresh on every call, each page faulted in again: the noise
-  scale's micro-step took twice its time so (benchmarks/run.py).
+  mapped afresh on every call, each page faulted in again: so the noise
+  scale's micro-step missed its cost target (benchmarks/run.py).
   """
   leaf_bytes = WIDTH * WIDTH * 4
   window, plain = (
